@@ -1,0 +1,2 @@
+// Package bench is part of kvflow; not built yet.
+package bench

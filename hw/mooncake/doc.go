@@ -1,0 +1,2 @@
+// Package mooncake is part of kvflow; not built yet.
+package mooncake

@@ -1,0 +1,2 @@
+// Package npu is part of kvflow; not built yet.
+package npu

@@ -1,0 +1,2 @@
+// Package pipeline is part of kvflow; not built yet.
+package pipeline

@@ -1,0 +1,2 @@
+// Package handshake is part of kvflow; not built yet.
+package handshake

@@ -1,0 +1,2 @@
+// Package notify is part of kvflow; not built yet.
+package notify

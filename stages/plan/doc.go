@@ -1,0 +1,2 @@
+// Package plan is part of kvflow; not built yet.
+package plan

@@ -1,0 +1,2 @@
+// Package read is part of kvflow; not built yet.
+package read

@@ -1,0 +1,2 @@
+// Package stitch is part of kvflow; not built yet.
+package stitch
