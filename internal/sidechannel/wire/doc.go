@@ -1,0 +1,34 @@
+// Package wire holds the pure encode/decode functions of kvflow's side
+// channel, the ZMQ request/reply protocol of vllm-ascend's Mooncake connector
+// (see package sidechannel for the sockets). It has no cgo, goroutines or I/O,
+// so the pure parts of kvflow can use its types under CGO_ENABLED=0.
+//
+// # Wire format (byte-identical to the seed)
+//
+// Requests are one msgpack array each (the seed encodes a Python tuple):
+//
+//	GET_META      [bin "get_meta_msg", str ""]          92 c4 0c 6765745f6d6574615f6d7367 a0
+//	DONE_RECVING  [bin "done_recving_msg", str req_id]
+//
+// The GET_META reply is msgspec's encoding of MooncakeAgentMetadata: a map
+// with keys engine_id (str), te_rpc_port (int), kv_caches_base_addr (array of
+// int), num_blocks (int), in that order, every header in its smallest form
+// (fixint/uint8/16/32/64, fixstr/str8/16/32, fixarray/array16/32). The
+// DONE_RECVING reply is the three raw bytes "ACK" (not msgpack).
+//
+// kvflow additions, all optional so the plain protocol still works:
+//   - metadata field "kvflow" (a map, e.g. {"boot_epoch": uint}) after the
+//     seed's four, omitted when empty, so kvflow's bytes equal the seed's;
+//     msgspec ignores unknown fields, so seed peers accept it;
+//   - the raw error reply "ERR <reason>" to a request kvflow could not handle
+//     (the seed drops such requests and lets the peer time out).
+//
+// # Decoding
+//
+// Decoders are strict on types (bin vs str, non-negative integers, UTF-8
+// strings, no trailing bytes, no duplicate keys) and tolerant of extra fields
+// and extra trailing request elements. Errors are *DecodeError (wrapping
+// ErrMalformed) naming the field and byte offset, ErrUnknownMessage,
+// ErrUnexpectedReply or *RemoteError. Decoders never allocate more than the
+// input can back and bound nesting, so any byte string is safe to decode.
+package wire
