@@ -1,0 +1,201 @@
+package plan
+
+import (
+	"errors"
+	"fmt"
+)
+
+// GroupContiguous is the seed's group_concurrent_contiguous(src, dst): it
+// splits both lists wherever src[i+1]-src[i] != 1 or dst[i+1]-dst[i] != 1.
+// The groups alias src and dst. Lists of unequal length are an error.
+func GroupContiguous(src, dst []int) (srcGroups, dstGroups [][]int, err error) {
+	if len(src) != len(dst) {
+		return nil, nil, fmt.Errorf("group contiguous: %d src ids, %d dst ids", len(src), len(dst))
+	}
+	if len(src) == 0 {
+		return [][]int{}, [][]int{}, nil
+	}
+	start := 0
+	for i := 1; i <= len(src); i++ {
+		if i == len(src) || src[i]-src[i-1] != 1 || dst[i]-dst[i-1] != 1 {
+			srcGroups = append(srcGroups, src[start:i:i])
+			dstGroups = append(dstGroups, dst[start:i:i])
+			start = i
+		}
+	}
+	return srcGroups, dstGroups, nil
+}
+
+// CacheLayout is the decode worker's registered KV cache, as the seed's
+// register_kv_caches sees it.
+//
+// BlockLen holds the bytes of one block of each cache part: one entry for
+// GQA (K and V alike), two for MLA (latent, rope), three for sparse. The
+// cache tensors are flattened layer by layer, CachesPerLayer per layer (2 for
+// GQA K/V and MLA, 3 for sparse), and tensor k uses BlockLen[k % len(BlockLen)]
+// (the seed's k % 2, k % 3, or [0]).
+type CacheLayout struct {
+	BlockLen       []uint64
+	CachesPerLayer int
+}
+
+// Caches is one side's registered cache tensors: base address of every
+// tensor in the seed's order (kv_caches_base_addr) and the blocks per tensor.
+// NumBlocks 0 skips the bounds check.
+type Caches struct {
+	Base      []uint64
+	NumBlocks int
+}
+
+// Op is one read of the batch: Len bytes from the remote address into the
+// local one (the seed's src_list = local, dst_list = remote, length_list).
+type Op struct {
+	Local, Remote, Len uint64
+}
+
+// Validate checks the layout on its own.
+func (l CacheLayout) Validate() error {
+	var errs []error
+	if n := len(l.BlockLen); n < 1 || n > 3 {
+		errs = append(errs, fmt.Errorf("layout.block_len: %d parts, want 1 (GQA), 2 (MLA) or 3 (sparse)", n))
+	}
+	for i, b := range l.BlockLen {
+		if b == 0 {
+			errs = append(errs, fmt.Errorf("layout.block_len[%d]: zero", i))
+		}
+	}
+	if l.CachesPerLayer < 1 {
+		errs = append(errs, fmt.Errorf("layout.caches_per_layer: must be >= 1, got %d", l.CachesPerLayer))
+	}
+	return errors.Join(errs...)
+}
+
+func (l CacheLayout) blockLen(k int) uint64 {
+	switch len(l.BlockLen) {
+	case 2:
+		return l.BlockLen[k%2]
+	case 3:
+		return l.BlockLen[k%3]
+	}
+	return l.BlockLen[0]
+}
+
+// OpCount is the number of ops AppendOps produces for t (0 when t moves no
+// block), for sizing buffers.
+func OpCount(t Task, layout CacheLayout) int {
+	nl := len(t.LocalBlockIDs)
+	if nl == 0 || nl > len(t.RemoteBlockIDs) {
+		return 0
+	}
+	groups := nl
+	if t.P == 1 {
+		rem := t.RemoteBlockIDs[len(t.RemoteBlockIDs)-nl:]
+		groups = 1
+		for i := 1; i < nl; i++ {
+			if t.LocalBlockIDs[i]-t.LocalBlockIDs[i-1] != 1 || rem[i]-rem[i-1] != 1 {
+				groups++
+			}
+		}
+	}
+	return groups * (t.LayerEnd - t.LayerStart) * layout.CachesPerLayer
+}
+
+// AppendOps appends the reads of task t to dst: the seed's
+// _transfer_kv_cache arithmetic. The remote blocks are trimmed to the last
+// len(local) (local prefix hit); local caches are sliced to the task's
+// layers [LayerStart, LayerEnd) and paired in order with the remote
+// worker's tensors (which cover only its PP stage). With P == 1 contiguous
+// runs are grouped; with P > 1 there is one op per block. For tensor k with
+// block length L and inner = L/P:
+//
+//	local  = local.Base[k]  + local_block*L + HeadSlot*inner
+//	remote = remote.Base[k] + remote_block*inner
+//	len    = inner * run_length
+//
+// A task without local blocks (full prefix hit) produces no op. Unlike the
+// seed, mismatched tensor counts, blocks out of range and block lengths not
+// divisible by P are errors, never silent truncation.
+func AppendOps(dst []Op, layout CacheLayout, t Task, local, remote Caches) ([]Op, error) {
+	nl, nr := len(t.LocalBlockIDs), len(t.RemoteBlockIDs)
+	if nl == 0 {
+		return dst, nil
+	}
+	if nl > nr {
+		return dst, fmt.Errorf("ops: %d local blocks, only %d remote blocks", nl, nr)
+	}
+	if err := layout.Validate(); err != nil {
+		return dst, err
+	}
+	if t.P < 1 || t.HeadSlot < 0 || t.HeadSlot >= t.P {
+		return dst, fmt.Errorf("ops: task.head_slot %d outside [0, tp_num_need_pulls %d)", t.HeadSlot, t.P)
+	}
+	if t.LayerStart < 0 || t.LayerEnd < t.LayerStart {
+		return dst, fmt.Errorf("ops: task layers [%d, %d) invalid", t.LayerStart, t.LayerEnd)
+	}
+	cpl := layout.CachesPerLayer
+	first, end := t.LayerStart*cpl, t.LayerEnd*cpl
+	if end > len(local.Base) {
+		return dst, fmt.Errorf("ops: layers [%d, %d) need local tensors up to %d, have %d", t.LayerStart, t.LayerEnd, end, len(local.Base))
+	}
+	lbase := local.Base[first:end]
+	if len(remote.Base) != len(lbase) {
+		return dst, fmt.Errorf("ops: %d local tensors for layers [%d, %d), remote has %d", len(lbase), t.LayerStart, t.LayerEnd, len(remote.Base))
+	}
+	rem := t.RemoteBlockIDs[nr-nl:]
+	for i := 0; i < nl; i++ {
+		lb, rb := t.LocalBlockIDs[i], rem[i]
+		if lb < 0 || rb < 0 {
+			return dst, fmt.Errorf("ops: negative block id (local %d, remote %d)", lb, rb)
+		}
+		if local.NumBlocks > 0 && lb >= local.NumBlocks {
+			return dst, fmt.Errorf("ops: local block %d outside [0, %d)", lb, local.NumBlocks)
+		}
+		if remote.NumBlocks > 0 && rb >= remote.NumBlocks {
+			return dst, fmt.Errorf("ops: remote block %d outside [0, %d)", rb, remote.NumBlocks)
+		}
+	}
+	p := uint64(t.P)
+	for _, b := range layout.BlockLen {
+		if b%p != 0 {
+			return dst, fmt.Errorf("ops: block_len %d not divisible by tp_num_need_pulls %d", b, t.P)
+		}
+	}
+	if need := OpCount(t, layout); cap(dst)-len(dst) < need {
+		grown := make([]Op, len(dst), len(dst)+need)
+		copy(grown, dst)
+		dst = grown
+	}
+	slot := uint64(t.HeadSlot)
+	for k := range lbase {
+		bl := layout.blockLen(k) // the seed indexes parts by the position in the sliced list
+		inner := bl / p
+		lb0, rb0 := lbase[k], remote.Base[k]
+		if t.P > 1 {
+			for i := 0; i < nl; i++ {
+				dst = append(dst, Op{
+					Local:  lb0 + uint64(t.LocalBlockIDs[i])*bl + slot*inner,
+					Remote: rb0 + uint64(rem[i])*inner,
+					Len:    inner,
+				})
+			}
+			continue
+		}
+		start := 0
+		for i := 1; i <= nl; i++ {
+			if i == nl || t.LocalBlockIDs[i]-t.LocalBlockIDs[i-1] != 1 || rem[i]-rem[i-1] != 1 {
+				dst = append(dst, Op{
+					Local:  lb0 + uint64(t.LocalBlockIDs[start])*bl,
+					Remote: rb0 + uint64(rem[start])*inner,
+					Len:    inner * uint64(i-start),
+				})
+				start = i
+			}
+		}
+	}
+	return dst, nil
+}
+
+// Ops is AppendOps into a new slice.
+func Ops(layout CacheLayout, t Task, local, remote Caches) ([]Op, error) {
+	return AppendOps(nil, layout, t, local, remote)
+}
