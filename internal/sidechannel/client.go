@@ -1,0 +1,574 @@
+package sidechannel
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	zmq "github.com/pebbe/zmq4"
+
+	"github.com/kvflow/kvflow/internal/sidechannel/wire"
+)
+
+// ClientOptions configures a Client. Zero fields take the defaults of
+// DefaultClientOptions.
+type ClientOptions struct {
+	// AttemptTimeout bounds the wait for one reply. 1 s: the seed's
+	// timeout; loopback and LAN replies take well under 1 ms.
+	AttemptTimeout time.Duration
+	// Attempts is the number of tries per call (1 = no retry). 3: the seed's
+	// max_retries. Only timeouts and socket errors are retried (GET_META and
+	// DONE_RECVING are idempotent at the prefill side); a reply that is
+	// malformed, an error reply or a wrong ACK is final.
+	Attempts int
+	// RetryBackoff is the pause before a retry. 100 ms: the seed's sleep;
+	// long enough for ZMQ's 100 ms reconnect interval to act.
+	RetryBackoff time.Duration
+	// MaxConnsPerPeer bounds concurrent requests (sockets) to one peer;
+	// further callers wait (ctx-aware) for a free socket. 8: a decode worker
+	// sends a handful of DONEs per request to each prefill rank; more would
+	// only queue at the peer's single-threaded ROUTER.
+	MaxConnsPerPeer int
+	// MaxIdlePerPeer is how many sockets per peer are kept for reuse (a new
+	// REQ socket costs ~0.5 ms on loopback). 2.
+	MaxIdlePerPeer int
+	// IdleTimeout closes sockets unused this long, so dead peers' sockets do
+	// not reconnect forever. 2 min: longer than the gap between requests
+	// of a busy deployment, short enough to shed departed peers.
+	IdleTimeout time.Duration
+	// MaxReplyBytes is ZMQ_MAXMSGSIZE for replies (a bigger one drops the
+	// connection and the attempt times out). 16 MiB: metadata of thousands
+	// of caches is < 100 KiB.
+	MaxReplyBytes int64
+	// Logger overrides the context's logger.
+	Logger *slog.Logger
+}
+
+// DefaultClientOptions returns the defaults (see each field for why).
+func DefaultClientOptions() ClientOptions {
+	return ClientOptions{
+		AttemptTimeout:  time.Second,
+		Attempts:        3,
+		RetryBackoff:    100 * time.Millisecond,
+		MaxConnsPerPeer: 8,
+		MaxIdlePerPeer:  2,
+		IdleTimeout:     2 * time.Minute,
+		MaxReplyBytes:   16 << 20,
+	}
+}
+
+func (o ClientOptions) withDefaults() ClientOptions {
+	d := DefaultClientOptions()
+	if o.AttemptTimeout == 0 {
+		o.AttemptTimeout = d.AttemptTimeout
+	}
+	if o.Attempts == 0 {
+		o.Attempts = d.Attempts
+	}
+	if o.RetryBackoff == 0 {
+		o.RetryBackoff = d.RetryBackoff
+	}
+	if o.MaxConnsPerPeer == 0 {
+		o.MaxConnsPerPeer = d.MaxConnsPerPeer
+	}
+	if o.MaxIdlePerPeer == 0 {
+		o.MaxIdlePerPeer = d.MaxIdlePerPeer
+	}
+	if o.IdleTimeout == 0 {
+		o.IdleTimeout = d.IdleTimeout
+	}
+	if o.MaxReplyBytes == 0 {
+		o.MaxReplyBytes = d.MaxReplyBytes
+	}
+	return o
+}
+
+// Validate reports every invalid field (after defaults are applied).
+func (o ClientOptions) Validate() error {
+	o = o.withDefaults()
+	var errs []error
+	if o.AttemptTimeout < time.Millisecond {
+		errs = append(errs, fmt.Errorf("sidechannel: AttemptTimeout %v: want ≥ 1ms", o.AttemptTimeout))
+	}
+	if o.Attempts < 1 || o.Attempts > 100 {
+		errs = append(errs, fmt.Errorf("sidechannel: Attempts %d: want 1..100", o.Attempts))
+	}
+	if o.RetryBackoff < 0 {
+		errs = append(errs, fmt.Errorf("sidechannel: RetryBackoff %v: want ≥ 0", o.RetryBackoff))
+	}
+	if o.MaxConnsPerPeer < 1 {
+		errs = append(errs, fmt.Errorf("sidechannel: MaxConnsPerPeer %d: want ≥ 1", o.MaxConnsPerPeer))
+	}
+	if o.MaxIdlePerPeer < 0 || o.MaxIdlePerPeer > o.MaxConnsPerPeer {
+		errs = append(errs, fmt.Errorf("sidechannel: MaxIdlePerPeer %d: want 0..MaxConnsPerPeer", o.MaxIdlePerPeer))
+	}
+	if o.IdleTimeout < time.Second {
+		errs = append(errs, fmt.Errorf("sidechannel: IdleTimeout %v: want ≥ 1s", o.IdleTimeout))
+	}
+	if o.MaxReplyBytes < 64 {
+		errs = append(errs, fmt.Errorf("sidechannel: MaxReplyBytes %d: want ≥ 64", o.MaxReplyBytes))
+	}
+	return errors.Join(errs...)
+}
+
+// Client makes side-channel requests (the decode side). It is safe for
+// concurrent use. Each call checks a REQ socket out of the peer's pool for
+// its sole use, waits on that socket alone, and returns it to the pool only
+// after a clean reply; on a timeout, error or cancellation the socket is
+// closed and a later call makes a fresh one. Peers are independent: a slow
+// peer only delays calls to itself.
+type Client struct {
+	zctx *Context
+	opts ClientOptions
+	log  *slog.Logger
+	m    *metrics
+
+	base   context.Context // cancelled by Close: aborts in-flight waits
+	cancel context.CancelFunc
+
+	mu       sync.Mutex
+	closed   bool
+	peers    map[string]*peer
+	inflight sync.WaitGroup
+
+	closeOnce   sync.Once
+	janitorStop chan struct{}
+	janitorDone chan struct{}
+}
+
+// NewClient makes a client on zctx.
+func NewClient(zctx *Context, opts ClientOptions) (*Client, error) {
+	if zctx == nil {
+		return nil, errors.New("sidechannel: NewClient: nil Context")
+	}
+	if err := opts.Validate(); err != nil {
+		return nil, err
+	}
+	opts = opts.withDefaults()
+	log := opts.Logger
+	if log == nil {
+		log = zctx.log
+	}
+	c := &Client{
+		zctx:        zctx,
+		opts:        opts,
+		log:         log.With("role", roleClient),
+		m:           zctx.metrics,
+		peers:       map[string]*peer{},
+		janitorStop: make(chan struct{}),
+		janitorDone: make(chan struct{}),
+	}
+	c.base, c.cancel = context.WithCancel(context.Background())
+	if err := zctx.register(c); err != nil {
+		c.cancel()
+		return nil, err
+	}
+	go c.janitor()
+	return c, nil
+}
+
+// GetMeta fetches the agent metadata of the side channel at endpoint
+// ("host:port"), sending [b"get_meta_msg", ""].
+func (c *Client) GetMeta(ctx context.Context, endpoint string) (Metadata, error) {
+	var md Metadata
+	err := c.call(ctx, opGetMeta, endpoint, wire.EncodeGetMeta(), func(reply []byte) error {
+		var err error
+		md, err = wire.DecodeMetadata(reply)
+		return err
+	})
+	if err != nil {
+		return Metadata{}, err
+	}
+	return md, nil
+}
+
+// SendDone sends [b"done_recving_msg", reqID] to endpoint and waits for
+// "ACK".
+func (c *Client) SendDone(ctx context.Context, endpoint, reqID string) error {
+	return c.call(ctx, opDone, endpoint, wire.EncodeDoneRecving(reqID), wire.DecodeAck)
+}
+
+// Close aborts in-flight calls (they return ErrClosed), waits for them, and
+// closes every pooled socket. It is idempotent.
+func (c *Client) Close() error {
+	c.closeOnce.Do(func() {
+		c.mu.Lock()
+		c.closed = true
+		c.mu.Unlock()
+		c.cancel()
+		c.inflight.Wait()
+		close(c.janitorStop)
+		<-c.janitorDone
+		c.mu.Lock()
+		peers := c.peers
+		c.peers = map[string]*peer{}
+		c.mu.Unlock()
+		for _, p := range peers {
+			p.closeIdle(time.Time{})
+		}
+		c.zctx.unregister(c)
+	})
+	return nil
+}
+
+// permanentError marks a failure that retrying will not fix (the peer
+// answered, but not acceptably).
+type permanentError struct{ err error }
+
+func (e permanentError) Error() string { return e.err.Error() }
+func (e permanentError) Unwrap() error { return e.err }
+
+// errAttemptTimeout: one attempt got no reply in time (retryable).
+var errAttemptTimeout = errors.New("no reply within attempt timeout")
+
+func (c *Client) call(ctx context.Context, op, epStr string, payload []byte, check func([]byte) error) (err error) {
+	start := time.Now()
+	outcome := outcomeOK
+	defer func() {
+		c.m.requests.WithLabelValues(roleClient, op, outcome).Inc()
+		c.m.duration.WithLabelValues(roleClient, op).Observe(time.Since(start).Seconds())
+	}()
+	ep, err := parseEndpoint(epStr, false)
+	if err != nil {
+		outcome = outcomeInvalid
+		return fmt.Errorf("sidechannel %s: %w", op, err)
+	}
+	p, err := c.acquire(ep)
+	if err != nil {
+		outcome = outcomeClosed
+		return fmt.Errorf("sidechannel %s %s: %w", op, ep.key, err)
+	}
+	defer c.release(p)
+
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	stop := context.AfterFunc(c.base, func() { cancel(ErrClosed) })
+	defer stop()
+
+	var last error
+	attempts := 0
+	for attempts < c.opts.Attempts {
+		if attempts > 0 {
+			if sleepCtx(ctx, c.opts.RetryBackoff) != nil {
+				break
+			}
+		}
+		attempts++
+		last = c.attempt(ctx, p, payload, check)
+		if last == nil {
+			return nil
+		}
+		var perm permanentError
+		if errors.As(last, &perm) {
+			var re *RemoteError
+			if errors.As(last, &re) {
+				outcome = outcomeRemoteError
+			} else {
+				outcome = outcomeBadReply
+			}
+			return fmt.Errorf("sidechannel %s %s: %w", op, ep.key, perm.err)
+		}
+		if ctx.Err() != nil || errors.Is(last, ErrClosed) {
+			break
+		}
+		c.log.Debug("side-channel attempt failed", "op", op, "endpoint", ep.key, "attempt", attempts, "err", last)
+	}
+	if ctx.Err() != nil {
+		cause := context.Cause(ctx)
+		if errors.Is(cause, ErrClosed) {
+			outcome = outcomeClosed
+		} else {
+			outcome = outcomeCanceled
+		}
+		return fmt.Errorf("sidechannel %s %s: %w", op, ep.key, cause)
+	}
+	if errors.Is(last, errAttemptTimeout) {
+		outcome = outcomeTimeout
+		return fmt.Errorf("sidechannel %s %s: %w: no reply after %d attempts of %v", op, ep.key, ErrTimeout, attempts, c.opts.AttemptTimeout)
+	}
+	if errors.Is(last, ErrClosed) {
+		outcome = outcomeClosed
+	} else {
+		outcome = outcomeTransport
+	}
+	return fmt.Errorf("sidechannel %s %s: after %d attempts: %w", op, ep.key, attempts, last)
+}
+
+// attempt runs one request on a checked-out socket. The socket goes back to
+// the pool only after a reply that check accepts.
+func (c *Client) attempt(ctx context.Context, p *peer, payload []byte, check func([]byte) error) error {
+	cn, err := p.get(ctx, c)
+	if err != nil {
+		return err
+	}
+	reply, err := cn.roundTrip(ctx, payload, time.Now().Add(c.opts.AttemptTimeout))
+	if err == nil {
+		if cerr := check(reply); cerr != nil {
+			err = permanentError{cerr}
+		}
+	}
+	switch {
+	case err == nil && !cn.dirty:
+		p.put(cn, c.opts.MaxIdlePerPeer)
+		return nil
+	case errors.Is(err, errAttemptTimeout):
+		c.m.resets.WithLabelValues(resetTimeout).Inc()
+	case ctx.Err() != nil || cn.dirty:
+		c.m.resets.WithLabelValues(resetCanceled).Inc()
+	default:
+		c.m.resets.WithLabelValues(resetError).Inc()
+	}
+	p.discard(cn)
+	return err
+}
+
+// acquire returns the peer for ep and counts the call in flight.
+func (c *Client) acquire(ep endpoint) (*peer, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return nil, ErrClosed
+	}
+	p := c.peers[ep.key]
+	if p == nil {
+		p = &peer{ep: ep, slots: make(chan struct{}, c.opts.MaxConnsPerPeer)}
+		c.peers[ep.key] = p
+	}
+	p.users++
+	c.inflight.Add(1)
+	return p, nil
+}
+
+func (c *Client) release(p *peer) {
+	c.mu.Lock()
+	p.users--
+	c.mu.Unlock()
+	c.inflight.Done()
+}
+
+// janitor closes sockets idle longer than IdleTimeout and forgets peers
+// with no sockets and no callers.
+func (c *Client) janitor() {
+	defer close(c.janitorDone)
+	every := max(c.opts.IdleTimeout/4, time.Second)
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-c.janitorStop:
+			return
+		case now := <-t.C:
+			c.mu.Lock()
+			for key, p := range c.peers {
+				if p.closeIdle(now.Add(-c.opts.IdleTimeout)) == 0 && p.users == 0 {
+					delete(c.peers, key)
+				}
+			}
+			c.mu.Unlock()
+		}
+	}
+}
+
+// peer is the socket pool of one endpoint.
+type peer struct {
+	ep    endpoint
+	slots chan struct{} // one token per socket in use (MaxConnsPerPeer)
+	users int           // calls holding this peer; guarded by Client.mu
+
+	mu   sync.Mutex
+	idle []*conn // most recently used last
+}
+
+// get waits for a free slot, then reuses an idle socket or makes one. The
+// caller owns the returned conn until put or discard.
+func (p *peer) get(ctx context.Context, c *Client) (*conn, error) {
+	select {
+	case p.slots <- struct{}{}:
+	case <-ctx.Done():
+		return nil, context.Cause(ctx)
+	}
+	p.mu.Lock()
+	if n := len(p.idle); n > 0 {
+		cn := p.idle[n-1]
+		p.idle = p.idle[:n-1]
+		p.mu.Unlock()
+		return cn, nil
+	}
+	p.mu.Unlock()
+	cn, err := newConn(c.zctx, p.ep, c.opts.MaxReplyBytes)
+	if err != nil {
+		<-p.slots
+		return nil, err
+	}
+	return cn, nil
+}
+
+func (p *peer) put(cn *conn, maxIdle int) {
+	cn.idleSince = time.Now()
+	p.mu.Lock()
+	if len(p.idle) < maxIdle {
+		p.idle = append(p.idle, cn)
+		cn = nil
+	}
+	p.mu.Unlock()
+	if cn != nil {
+		cn.close()
+	}
+	<-p.slots
+}
+
+func (p *peer) discard(cn *conn) {
+	cn.close()
+	<-p.slots
+}
+
+// closeIdle closes idle sockets unused since before cutoff (all of them for
+// the zero time) and returns how many remain idle.
+func (p *peer) closeIdle(cutoff time.Time) int {
+	p.mu.Lock()
+	var old []*conn
+	keep := p.idle[:0]
+	for _, cn := range p.idle {
+		if cutoff.IsZero() || cn.idleSince.Before(cutoff) {
+			old = append(old, cn)
+		} else {
+			keep = append(keep, cn)
+		}
+	}
+	clear(p.idle[len(keep):])
+	p.idle = keep
+	n := len(p.idle)
+	p.mu.Unlock()
+	for _, cn := range old {
+		cn.close()
+	}
+	return n
+}
+
+// conn is one REQ socket to a peer plus the inproc PAIR that wakes its poll
+// when the caller's context ends. All three sockets belong to whoever has
+// the conn checked out; the wake sender is used only by the context.AfterFunc
+// of the current wait, which roundTrip waits for before returning.
+type conn struct {
+	zctx      *Context
+	sock      *zmq.Socket // REQ, connected to the peer
+	wakeR     *zmq.Socket // PAIR, bound inproc; polled with sock
+	wakeS     *zmq.Socket // PAIR, connected to wakeR
+	poller    *zmq.Poller // this conn's own: sock + wakeR
+	idleSince time.Time
+	dirty     bool // a wake-up was sent: never reuse
+}
+
+func newConn(zctx *Context, ep endpoint, maxReply int64) (cn *conn, err error) {
+	cn = &conn{zctx: zctx}
+	defer func() {
+		if err != nil {
+			cn.close()
+			cn = nil
+		}
+	}()
+	if cn.sock, err = zctx.newSocket(zmq.REQ); err != nil {
+		return nil, err
+	}
+	if err = cn.sock.SetMaxmsgsize(maxReply); err != nil {
+		return nil, fmt.Errorf("sidechannel: set maxmsgsize: %w", err)
+	}
+	if ep.ipv6 {
+		if err = cn.sock.SetIpv6(true); err != nil {
+			return nil, fmt.Errorf("sidechannel: set ipv6: %w", err)
+		}
+	}
+	if err = cn.sock.Connect(ep.zmq); err != nil {
+		return nil, fmt.Errorf("sidechannel: connect %s: %w", ep.zmq, err)
+	}
+	addr := zctx.inprocAddr("wake")
+	if cn.wakeR, err = zctx.newSocket(zmq.PAIR); err != nil {
+		return nil, err
+	}
+	if err = cn.wakeR.Bind(addr); err != nil {
+		return nil, fmt.Errorf("sidechannel: bind %s: %w", addr, err)
+	}
+	if cn.wakeS, err = zctx.newSocket(zmq.PAIR); err != nil {
+		return nil, err
+	}
+	if err = cn.wakeS.Connect(addr); err != nil {
+		return nil, fmt.Errorf("sidechannel: connect %s: %w", addr, err)
+	}
+	cn.poller = zmq.NewPoller()
+	cn.poller.Add(cn.sock, zmq.POLLIN)
+	cn.poller.Add(cn.wakeR, zmq.POLLIN)
+	return cn, nil
+}
+
+func (cn *conn) close() {
+	cn.zctx.closeSocket(cn.wakeS)
+	cn.zctx.closeSocket(cn.wakeR)
+	cn.zctx.closeSocket(cn.sock)
+	cn.wakeS, cn.wakeR, cn.sock = nil, nil, nil
+}
+
+// roundTrip sends payload and waits for one single-frame reply until
+// deadline or until ctx ends, whichever is first.
+func (cn *conn) roundTrip(ctx context.Context, payload []byte, deadline time.Time) ([]byte, error) {
+	if _, err := cn.sock.SendBytes(payload, zmq.DONTWAIT); err != nil {
+		return nil, fmt.Errorf("send: %w", err)
+	}
+	fired := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		defer close(fired)
+		_, _ = cn.wakeS.SendBytes([]byte{0}, zmq.DONTWAIT)
+	})
+	defer func() {
+		if !stop() {
+			<-fired // the wake sender is ours again; its byte may be unread
+			cn.dirty = true
+		}
+	}()
+	for {
+		left := time.Until(deadline)
+		if left <= 0 {
+			return nil, errAttemptTimeout
+		}
+		// Round up: the poll works in whole milliseconds and truncates.
+		polled, err := cn.poller.Poll((left + time.Millisecond - 1).Truncate(time.Millisecond))
+		if err != nil {
+			return nil, fmt.Errorf("poll: %w", err)
+		}
+		for _, pd := range polled {
+			switch pd.Socket {
+			case cn.sock:
+				frames, err := cn.sock.RecvMessageBytes(zmq.DONTWAIT)
+				if err != nil {
+					return nil, fmt.Errorf("recv: %w", err)
+				}
+				if len(frames) != 1 {
+					return nil, permanentError{fmt.Errorf("%w: %d frames, want 1", ErrUnexpectedReply, len(frames))}
+				}
+				return frames[0], nil
+			case cn.wakeR:
+				if err := context.Cause(ctx); err != nil {
+					return nil, err
+				}
+				return nil, context.Canceled
+			}
+		}
+	}
+}
+
+// sleepCtx sleeps for d or until ctx ends.
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	if d <= 0 {
+		return ctx.Err()
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}

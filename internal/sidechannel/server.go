@@ -1,0 +1,356 @@
+package sidechannel
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	zmq "github.com/pebbe/zmq4"
+
+	"github.com/kvflow/kvflow/internal/sidechannel/wire"
+)
+
+// Handler answers side-channel requests (the prefill side). Both methods are
+// called on the server's single socket goroutine, one request at a time:
+// they must be quick and must not call back into the Server.
+type Handler interface {
+	// Metadata returns the metadata to send for GET_META (encoded afresh for
+	// every request).
+	Metadata() Metadata
+	// Done records a DONE_RECVING for reqID. The server replies "ACK" even
+	// when Done returns an error (the message was received; an unknown or
+	// already finished request id is the tracker's business, as in the
+	// seed); the error is logged and counted as outcome "handler_error".
+	Done(reqID string) error
+}
+
+// HandlerFuncs adapts two functions to Handler; a nil func returns zero.
+type HandlerFuncs struct {
+	MetadataFunc func() Metadata
+	DoneFunc     func(reqID string) error
+}
+
+// Metadata calls h.MetadataFunc.
+func (h HandlerFuncs) Metadata() Metadata {
+	if h.MetadataFunc == nil {
+		return Metadata{}
+	}
+	return h.MetadataFunc()
+}
+
+// Done calls h.DoneFunc.
+func (h HandlerFuncs) Done(reqID string) error {
+	if h.DoneFunc == nil {
+		return nil
+	}
+	return h.DoneFunc(reqID)
+}
+
+// ServerOptions configures a Server.
+type ServerOptions struct {
+	// Addr is the "host:port" to bind (tcp). Port 0 picks a free port (see
+	// Server.Addr); an empty host or "*" binds all interfaces.
+	Addr string
+	// MaxMessageBytes is ZMQ_MAXMSGSIZE for requests: a peer sending more is
+	// disconnected by libzmq. 0 means 1 MiB (requests are tens of bytes; a
+	// request id of a few hundred).
+	MaxMessageBytes int64
+	// DropBadMessages restores the seed's behaviour for bad requests: log
+	// and drop, leaving a REQ peer to time out. By default kvflow answers
+	// them with "ERR <reason>" so a REQ peer fails at once and stays usable.
+	DropBadMessages bool
+	// Logger overrides the context's logger.
+	Logger *slog.Logger
+}
+
+// Server is the ROUTER side of the side channel. One goroutine owns the
+// socket: it receives, calls the Handler, replies, and exits on Close.
+type Server struct {
+	zctx *Context
+	opts ServerOptions
+	h    Handler
+	log  *slog.Logger
+	m    *metrics
+	addr string
+
+	sock  *zmq.Socket // ROUTER; owned by the loop goroutine
+	wakeR *zmq.Socket // PAIR; owned by the loop goroutine
+	wakeS *zmq.Socket // PAIR; owned by Close
+
+	done      chan struct{}
+	closeOnce sync.Once
+
+	// Bad-message log rate limit; loop goroutine only.
+	lastBadLog time.Time
+	suppressed int
+}
+
+// maxBatch is how many queued requests the loop handles before it polls
+// again (and so notices Close).
+const maxBatch = 256
+
+// badLogEvery limits bad-message logs to one per interval (the rest are
+// counted in kvflow_sidechannel_bad_messages_total and summarised).
+const badLogEvery = time.Second
+
+// NewServer binds a ROUTER on opts.Addr and starts serving h.
+func NewServer(zctx *Context, opts ServerOptions, h Handler) (_ *Server, err error) {
+	if zctx == nil || h == nil {
+		return nil, errors.New("sidechannel: NewServer: nil Context or Handler")
+	}
+	ep, err := parseEndpoint(opts.Addr, true)
+	if err != nil {
+		return nil, fmt.Errorf("sidechannel: server: %w", err)
+	}
+	if opts.MaxMessageBytes == 0 {
+		opts.MaxMessageBytes = 1 << 20
+	}
+	if opts.MaxMessageBytes < 64 {
+		return nil, fmt.Errorf("sidechannel: server: MaxMessageBytes %d: want ≥ 64", opts.MaxMessageBytes)
+	}
+	log := opts.Logger
+	if log == nil {
+		log = zctx.log
+	}
+	s := &Server{zctx: zctx, opts: opts, h: h, m: zctx.metrics, done: make(chan struct{})}
+	defer func() {
+		if err != nil {
+			zctx.closeSocket(s.wakeS)
+			zctx.closeSocket(s.wakeR)
+			zctx.closeSocket(s.sock)
+		}
+	}()
+	if s.sock, err = zctx.newSocket(zmq.ROUTER); err != nil {
+		return nil, err
+	}
+	if err = s.sock.SetMaxmsgsize(opts.MaxMessageBytes); err != nil {
+		return nil, fmt.Errorf("sidechannel: server: set maxmsgsize: %w", err)
+	}
+	if ep.ipv6 {
+		if err = s.sock.SetIpv6(true); err != nil {
+			return nil, fmt.Errorf("sidechannel: server: set ipv6: %w", err)
+		}
+	}
+	if err = s.sock.Bind(ep.zmq); err != nil {
+		return nil, fmt.Errorf("sidechannel: server: bind %s: %w", ep.zmq, err)
+	}
+	last, err := s.sock.GetLastEndpoint()
+	if err != nil {
+		return nil, fmt.Errorf("sidechannel: server: last endpoint: %w", err)
+	}
+	s.addr = strings.TrimPrefix(last, "tcp://")
+	wake := zctx.inprocAddr("server-wake")
+	if s.wakeR, err = zctx.newSocket(zmq.PAIR); err != nil {
+		return nil, err
+	}
+	if err = s.wakeR.Bind(wake); err != nil {
+		return nil, fmt.Errorf("sidechannel: server: bind %s: %w", wake, err)
+	}
+	if s.wakeS, err = zctx.newSocket(zmq.PAIR); err != nil {
+		return nil, err
+	}
+	if err = s.wakeS.Connect(wake); err != nil {
+		return nil, fmt.Errorf("sidechannel: server: connect %s: %w", wake, err)
+	}
+	s.log = log.With("role", roleServer, "addr", s.addr)
+	if err = zctx.register(s); err != nil {
+		return nil, err
+	}
+	go s.loop()
+	s.log.Info("side channel listening")
+	return s, nil
+}
+
+// Addr returns the bound "host:port" (with the real port when Addr had 0).
+func (s *Server) Addr() string { return s.addr }
+
+// Close stops the server: it wakes the socket goroutine, waits for it to
+// close its sockets, and returns. Requests not yet received are dropped
+// (their REQ peers time out and retry elsewhere). Idempotent.
+func (s *Server) Close() error {
+	s.closeOnce.Do(func() {
+		if _, err := s.wakeS.SendBytes([]byte{0}, zmq.DONTWAIT); err != nil {
+			// Cannot happen on a connected inproc PAIR with an empty pipe;
+			// if it did, the loop would never wake: say so loudly.
+			s.log.Error("side channel: wake-up send failed", "err", err)
+		}
+		<-s.done
+		s.zctx.closeSocket(s.wakeS)
+		s.wakeS = nil
+		s.zctx.unregister(s)
+		s.log.Info("side channel closed")
+	})
+	return nil
+}
+
+func (s *Server) loop() {
+	defer close(s.done)
+	defer func() {
+		s.zctx.closeSocket(s.sock)
+		s.zctx.closeSocket(s.wakeR)
+	}()
+	poller := zmq.NewPoller()
+	poller.Add(s.sock, zmq.POLLIN)
+	poller.Add(s.wakeR, zmq.POLLIN)
+	for {
+		polled, err := poller.Poll(-1)
+		if err != nil {
+			if zmq.AsErrno(err) == zmq.ETERM {
+				return
+			}
+			s.log.Error("side channel poll failed", "err", err)
+			time.Sleep(10 * time.Millisecond) // never spin on a persistent error
+			continue
+		}
+		for _, pd := range polled {
+			if pd.Socket == s.wakeR {
+				return
+			}
+		}
+		for range maxBatch {
+			frames, err := s.sock.RecvMessageBytes(zmq.DONTWAIT)
+			if err != nil {
+				if !isEAGAIN(err) {
+					s.log.Error("side channel recv failed", "err", err)
+				}
+				break
+			}
+			s.handle(frames)
+		}
+	}
+}
+
+func isEAGAIN(err error) bool {
+	return zmq.AsErrno(err) == zmq.Errno(syscall.EAGAIN)
+}
+
+// handle processes one ROUTER message: [identity, (""), payload]. Like the
+// seed, empty frames after the identity are ignored and exactly one
+// non-empty payload frame must remain; the reply is always
+// [identity, "", reply] (what a REQ peer expects).
+func (s *Server) handle(frames [][]byte) {
+	if len(frames) < 2 {
+		s.bad(frames, badEnvelope, "too few frames", nil)
+		return
+	}
+	id := frames[0]
+	var payload [][]byte
+	for _, f := range frames[1:] {
+		if len(f) > 0 {
+			payload = append(payload, f)
+		}
+	}
+	if len(payload) != 1 {
+		s.bad(frames, badEnvelope, fmt.Sprintf("%d payload frames, want 1", len(payload)), nil)
+		return
+	}
+	req, err := wire.DecodeRequest(payload[0])
+	if err != nil {
+		reason := badDecode
+		if errors.Is(err, wire.ErrUnknownMessage) {
+			reason = badUnknown
+		}
+		s.bad(frames, reason, err.Error(), err)
+		return
+	}
+	start := time.Now()
+	op := req.Kind.String()
+	outcome := outcomeOK
+	var reply []byte
+	switch req.Kind {
+	case wire.KindGetMeta:
+		md, err := s.callMetadata()
+		if err != nil {
+			outcome = outcomeHandlerError
+			s.log.Error("metadata handler failed", "err", err)
+			reply = wire.EncodeErrorReply("internal error")
+		} else {
+			reply = wire.EncodeMetadata(md)
+		}
+	case wire.KindDoneRecving:
+		s.log.Debug("got DONE_RECVING", "request_id", req.RequestID)
+		reply = []byte(wire.AckReply)
+		if err := s.callDone(req.RequestID); err != nil {
+			outcome = outcomeHandlerError
+			var p panicError
+			if errors.As(err, &p) {
+				reply = wire.EncodeErrorReply("internal error")
+				s.log.Error("done handler panicked", "request_id", req.RequestID, "err", err)
+			} else {
+				s.log.Warn("done handler error (ACKed anyway)", "request_id", req.RequestID, "err", err)
+			}
+		}
+	}
+	if err := s.reply(id, reply); err != nil {
+		outcome = outcomeSendError
+		s.log.Warn("side channel reply failed", "op", op, "err", err)
+	}
+	s.m.requests.WithLabelValues(roleServer, op, outcome).Inc()
+	s.m.duration.WithLabelValues(roleServer, op).Observe(time.Since(start).Seconds())
+}
+
+// reply queues [id, "", payload]. It never blocks: a ROUTER drops messages
+// to peers that are gone or over their high-water mark (the seed's ACK
+// busy-retry loop is not needed).
+func (s *Server) reply(id, payload []byte) error {
+	_, err := s.sock.SendMessageDontwait(id, []byte{}, payload)
+	return err
+}
+
+// bad counts and (rate-limited) logs a bad message and, unless
+// DropBadMessages, answers it with "ERR <reason>".
+func (s *Server) bad(frames [][]byte, reason, detail string, err error) {
+	s.m.badMessages.WithLabelValues(reason).Inc()
+	now := time.Now()
+	if now.Sub(s.lastBadLog) >= badLogEvery {
+		attrs := []any{"reason", reason, "detail", detail, "frames", len(frames), "suppressed", s.suppressed}
+		for i, f := range frames {
+			if i >= 4 {
+				break
+			}
+			attrs = append(attrs, fmt.Sprintf("frame%d", i), wire.Quote(f))
+		}
+		s.log.Warn("side channel: bad message", attrs...)
+		s.lastBadLog, s.suppressed = now, 0
+	} else {
+		s.suppressed++
+	}
+	if s.opts.DropBadMessages || len(frames) == 0 {
+		return
+	}
+	msg := reason
+	if err != nil {
+		msg = reason + ": " + err.Error()
+	} else if detail != "" {
+		msg = reason + ": " + detail
+	}
+	if e := s.reply(frames[0], wire.EncodeErrorReply(msg)); e != nil {
+		s.log.Debug("error reply failed", "err", e)
+	}
+}
+
+type panicError struct{ v any }
+
+func (p panicError) Error() string { return fmt.Sprintf("panic: %v", p.v) }
+
+func (s *Server) callMetadata() (md Metadata, err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = panicError{v}
+		}
+	}()
+	return s.h.Metadata(), nil
+}
+
+func (s *Server) callDone(reqID string) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = panicError{v}
+		}
+	}()
+	return s.h.Done(reqID)
+}
