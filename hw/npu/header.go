@@ -100,11 +100,11 @@ func (h header) encode() []byte {
 	return b
 }
 
-// decodeHeader parses and checks a header and the layout it describes
-// against the file's actual size.
-func decodeHeader(b []byte, fileSize int64) (header, Layout, error) {
+// decodeHeader parses and checks the header of the file at path (for error
+// messages only) and the layout it describes against the file's size.
+func decodeHeader(path string, b []byte, fileSize int64) (header, Layout, error) {
 	bad := func(kind error, format string, args ...any) (header, Layout, error) {
-		return header{}, Layout{}, fmt.Errorf("%w: %w: "+format, append([]any{ErrBadFile, kind}, args...)...)
+		return header{}, Layout{}, fmt.Errorf("%w: %s: %w: "+format, append([]any{ErrBadFile, path, kind}, args...)...)
 	}
 	le := binary.LittleEndian
 	if len(b) < len(shmMagic) || string(b[:len(shmMagic)]) != shmMagic {
@@ -148,7 +148,7 @@ func decodeHeader(b []byte, fileSize int64) (header, Layout, error) {
 	h.fileSize = le.Uint64(b[120:])
 	l, err := NewLayout(h.shape)
 	if err != nil {
-		return header{}, Layout{}, fmt.Errorf("%w: %w", ErrBadFile, err)
+		return header{}, Layout{}, fmt.Errorf("%w: %s: %w", ErrBadFile, path, err)
 	}
 	if h.align != CacheAlign || h.dataOffset < headerSize || h.dataOffset%4096 != 0 {
 		return bad(ErrBadVersion, "cache alignment %d, data offset %d", h.align, h.dataOffset)

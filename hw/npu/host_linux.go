@@ -120,19 +120,19 @@ func OpenShm(path string, opts HostOptions) (*Host, error) {
 		return nil, fmt.Errorf("npu: open cache file %s: %w", path, err)
 	}
 	if !st.Mode().IsRegular() {
-		return nil, fmt.Errorf("npu: open cache file %s: %w: not a regular file", path, ErrBadFile)
+		return nil, fmt.Errorf("%w: %s: not a regular file", ErrBadFile, path)
 	}
 	buf := make([]byte, headerSize)
 	n, err := f.ReadAt(buf, 0)
 	if err != nil && !errors.Is(err, io.EOF) {
 		return nil, fmt.Errorf("npu: open cache file %s: %w", path, err)
 	}
-	hd, l, err := decodeHeader(buf[:n], st.Size())
+	hd, l, err := decodeHeader(path, buf[:n], st.Size())
 	if err != nil {
-		return nil, fmt.Errorf("npu: open cache file %s: %w", path, err)
+		return nil, err
 	}
 	if opts.Expect != nil && *opts.Expect != hd.shape {
-		return nil, fmt.Errorf("npu: open cache file %s: %w: shape %+v, expected %+v", path, ErrBadFile, hd.shape, *opts.Expect)
+		return nil, fmt.Errorf("%w: %s: shape %+v, expected %+v", ErrBadFile, path, hd.shape, *opts.Expect)
 	}
 	mem, huge, err := mapShared(f, hd, opts)
 	if err != nil {

@@ -359,7 +359,7 @@ func FuzzDecodeHeader(f *testing.F) {
 	f.Add([]byte(shmMagic), int64(0))
 	f.Add([]byte{}, int64(10))
 	f.Fuzz(func(t *testing.T, b []byte, size int64) {
-		h, l, err := decodeHeader(b, size)
+		h, l, err := decodeHeader("fuzz", b, size)
 		if err != nil {
 			if !errors.Is(err, ErrBadFile) {
 				t.Fatalf("error %v does not wrap ErrBadFile", err)
