@@ -166,30 +166,38 @@ func AppendOps(dst []Op, layout CacheLayout, t Task, local, remote Caches) ([]Op
 		dst = grown
 	}
 	slot := uint64(t.HeadSlot)
-	for k := range lbase {
-		bl := layout.blockLen(k) // the seed indexes parts by the position in the sliced list
-		inner := bl / p
-		lb0, rb0 := lbase[k], remote.Base[k]
-		if t.P > 1 {
-			for i := 0; i < nl; i++ {
-				dst = append(dst, Op{
-					Local:  lb0 + uint64(t.LocalBlockIDs[i])*bl + slot*inner,
-					Remote: rb0 + uint64(rem[i])*inner,
-					Len:    inner,
-				})
+	if t.P > 1 {
+		for k := range lbase {
+			bl := layout.blockLen(k) // the seed indexes parts by the position in the sliced list
+			inner := bl / p
+			lb0, rb0 := lbase[k]+slot*inner, remote.Base[k]
+			for i, b := range t.LocalBlockIDs {
+				dst = append(dst, Op{Local: lb0 + uint64(b)*bl, Remote: rb0 + uint64(rem[i])*inner, Len: inner})
 			}
-			continue
 		}
-		start := 0
-		for i := 1; i <= nl; i++ {
-			if i == nl || t.LocalBlockIDs[i]-t.LocalBlockIDs[i-1] != 1 || rem[i]-rem[i-1] != 1 {
-				dst = append(dst, Op{
-					Local:  lb0 + uint64(t.LocalBlockIDs[start])*bl,
-					Remote: rb0 + uint64(rem[start])*inner,
-					Len:    inner * uint64(i-start),
-				})
-				start = i
+		return dst, nil
+	}
+	// P == 1: group contiguous runs once, then emit one op per run and tensor.
+	var small [64]int32
+	starts := small[:0]
+	for i := 0; i < nl; i++ {
+		if i == 0 || t.LocalBlockIDs[i]-t.LocalBlockIDs[i-1] != 1 || rem[i]-rem[i-1] != 1 {
+			starts = append(starts, int32(i))
+		}
+	}
+	for k := range lbase {
+		bl := layout.blockLen(k)
+		lb0, rb0 := lbase[k], remote.Base[k]
+		for j, s := range starts {
+			e := nl
+			if j+1 < len(starts) {
+				e = int(starts[j+1])
 			}
+			dst = append(dst, Op{
+				Local:  lb0 + uint64(t.LocalBlockIDs[s])*bl,
+				Remote: rb0 + uint64(rem[s])*bl,
+				Len:    bl * uint64(e-int(s)),
+			})
 		}
 	}
 	return dst, nil

@@ -1,0 +1,80 @@
+package plan
+
+import (
+	"testing"
+)
+
+// benchPlan plans a 128-block request on one decode rank and builds every
+// task's ops into a reused buffer: the whole per-request planning cost.
+func benchPlan(b *testing.B, tp Topology, layout CacheLayout) {
+	if err := tp.Validate(); err != nil {
+		b.Fatal(err)
+	}
+	const nblocks = 128
+	local := make([]int, nblocks)
+	remote := make([]int, nblocks)
+	for i := range local {
+		local[i] = 1000 + i + i/16*3 // runs of 16 contiguous blocks
+		remote[i] = 20 + i
+	}
+	cpl := layout.CachesPerLayer
+	lbase := make([]uint64, tp.Model.NumLayers*cpl)
+	for i := range lbase {
+		lbase[i] = uint64(i+1) << 32
+	}
+	rbase := make([]uint64, len(lbase))
+	for i := range rbase {
+		rbase[i] = uint64(i+1)<<32 | 1<<62
+	}
+	req := Request{ID: "cmpl-5d73b0af444ad0bf081de695914b7c9e-0", LocalBlockIDs: local, RemoteBlockIDs: remote, RemotePort: 30000}
+	var ops []Op
+	nops, ntasks := 0, 0
+	for b.Loop() {
+		pl, err := PlanRequest(tp, Rank{TP: 1}, req)
+		if err != nil {
+			b.Fatal(err)
+		}
+		nops, ntasks = 0, len(pl.Tasks)
+		for _, t := range pl.Tasks {
+			n := (t.LayerEnd - t.LayerStart) * cpl
+			ops, err = AppendOps(ops[:0], layout, t, Caches{Base: lbase}, Caches{Base: rbase[:n]})
+			if err != nil {
+				b.Fatal(err)
+			}
+			nops += len(ops)
+		}
+	}
+	b.ReportMetric(float64(nops), "ops/request")
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/float64(ntasks), "ns/task")
+}
+
+// BenchmarkPlanMLA64: DeepSeek-style MLA, 64 layers, prefill TP 8 -> decode TP 2
+// (random rank choice), 2-part cache.
+func BenchmarkPlanMLA64(b *testing.B) {
+	benchPlan(b, mla(), CacheLayout{BlockLen: []uint64{128 * 512 * 2, 128 * 64 * 2}, CachesPerLayer: 2})
+}
+
+// BenchmarkPlanGQA64P4: GQA, 8 KV heads, prefill TP 8 -> decode TP 2, so
+// tp_num_need_pulls = 4 (one op per block, 4 tasks).
+func BenchmarkPlanGQA64P4(b *testing.B) {
+	tp := gqa()
+	if tp.NeedPulls() != 4 {
+		b.Fatalf("P = %d", tp.NeedPulls())
+	}
+	benchPlan(b, tp, CacheLayout{BlockLen: []uint64{128 * 4 * 128 * 2}, CachesPerLayer: 2})
+}
+
+// BenchmarkPlanOnly is PlanRequest alone (no ops) for the GQA case.
+func BenchmarkPlanOnly(b *testing.B) {
+	tp := gqa()
+	ids := make([]int, 128)
+	for i := range ids {
+		ids[i] = i
+	}
+	req := Request{ID: "req-1", LocalBlockIDs: ids, RemoteBlockIDs: ids, RemotePort: 30000}
+	for b.Loop() {
+		if _, err := PlanRequest(tp, Rank{TP: 1}, req); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
