@@ -30,7 +30,7 @@
 //	PrefillExpectedDones(topo, self Rank, reqID string, numBlocks int) (int, error)
 //	PrefillMustWait(topo, self Rank, reqID string, numBlocks int) (bool, error)
 //
-// A Plan holds the Tasks in the order the seed's start_load_kv queues them.
+// A Plan (RequestID, RemoteHost, RemoteEngineID, Mode, P, Stitch, Tasks) holds the Tasks in the order the seed's start_load_kv queues them.
 // Each Task names one remote prefill rank (RemoteRank, HandshakePort =
 // RemotePort + RemoteRank), the head slot it fills (HeadSlot = Offset % P of
 // P = tp_num_need_pulls), the prefill PP stage and its layers

@@ -296,7 +296,7 @@ func (t Topology) validateSplit() error {
 	return errors.Join(errs...)
 }
 
-// CheckRank reports whether self is an in-range decode worker of t.
+// checkDecodeRank reports every field of self outside the decode instance.
 func (t Topology) checkDecodeRank(self Rank) error {
 	var errs []error
 	chk := func(field string, v, size int) {
