@@ -1,2 +1,42 @@
-// Package pipeline is part of kvflow; not built yet.
+// Package pipeline is kvflow's generic stage engine: an ordered chain of
+// named stages joined by bounded channels, each with its own worker pool.
+//
+// It knows nothing about KV caches, sockets or devices; kvflow's decode role
+// plugs its plan, handshake, read, stitch and notify stages into it.
+//
+// # Contract
+//
+//   - Intake: Submit blocks while the first queue is full (the time blocked
+//     is counted); TrySubmit never blocks and reports ErrFull. An item is
+//     "accepted" when either returns nil.
+//   - Every accepted item reaches the sink exactly once, as Done, Failed
+//     (with its error and the stage where it first failed) or Canceled.
+//   - A stage that returns an error or panics fails the item; the panic is
+//     recovered and becomes the error (the process never crashes). A failed
+//     item skips later stages unless they set SeesFailed; those receive it
+//     through FailureAware.ProcessFailed when implemented, else Process.
+//   - Backpressure: a worker whose downstream queue is full blocks; the time
+//     is counted against the downstream stage
+//     (kvflow_stage_blocked_seconds_total{stage="<downstream>"}), including
+//     sends still blocked at scrape time.
+//   - Close(ctx): stop intake (blocked Submits return ErrClosed), drain every
+//     accepted item; if ctx ends first, cancel the pipeline's context so
+//     running stages stop, and end every remaining item as Canceled. No
+//     goroutine started by the pipeline outlives Close.
+//
+// # Metrics (label stage)
+//
+// kvflow_stage_queue_depth, kvflow_stage_queue_capacity,
+// kvflow_stage_blocked_seconds_total, kvflow_stage_duration_seconds,
+// kvflow_stage_items_total{outcome=ok|error|skipped|canceled},
+// kvflow_stage_busy_workers, kvflow_stage_rejected_total,
+// kvflow_stage_panics_total; and for the whole chain
+// kvflow_pipeline_in_flight, kvflow_pipeline_items_total{outcome},
+// kvflow_pipeline_item_duration_seconds{outcome}.
+//
+// # Never
+//
+// The package never drops an item, never blocks the sink's caller on
+// anything but the sink, never uses cgo, never registers on the global
+// Prometheus registry, and never holds a per-item label.
 package pipeline

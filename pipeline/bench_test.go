@@ -1,0 +1,72 @@
+package pipeline
+
+import (
+	"context"
+	"sync"
+	"testing"
+)
+
+const benchStages, benchWorkers, benchCapacity = 5, 1, 64
+
+// BenchmarkChain measures the per-item cost of a 5-stage no-op pipeline
+// ("pipeline") against a hand-written chain of goroutines and channels with
+// the same stage count, workers and capacities ("handwritten").
+func BenchmarkChain(b *testing.B) {
+	b.Run("pipeline", func(b *testing.B) {
+		var stages []StageConfig[int]
+		for i := range benchStages {
+			stages = append(stages, StageConfig[int]{Name: string(rune('a' + i)), Workers: benchWorkers, Capacity: benchCapacity,
+				Stage: StageFunc[int](func(context.Context, int) error { return nil })})
+		}
+		var wg sync.WaitGroup
+		p, err := New(Config[int]{Stages: stages, Sink: func(Result[int]) { wg.Done() }})
+		if err != nil {
+			b.Fatal(err)
+		}
+		ctx := context.Background()
+		wg.Add(b.N)
+		b.ResetTimer()
+		for i := 0; i < b.N; i++ {
+			p.Submit(ctx, i)
+		}
+		wg.Wait()
+		b.StopTimer()
+		p.Close(ctx)
+	})
+	b.Run("handwritten", func(b *testing.B) {
+		chans := make([]chan int, benchStages+1)
+		for i := range chans {
+			chans[i] = make(chan int, benchCapacity)
+		}
+		workers := make([]sync.WaitGroup, benchStages)
+		for s := range benchStages {
+			for range benchWorkers {
+				workers[s].Add(1)
+				go func() {
+					defer workers[s].Done()
+					for v := range chans[s] {
+						chans[s+1] <- v
+					}
+				}()
+			}
+		}
+		var wg sync.WaitGroup
+		wg.Add(b.N)
+		go func() {
+			for range chans[benchStages] {
+				wg.Done()
+			}
+		}()
+		b.ResetTimer()
+		for i := 0; i < b.N; i++ {
+			chans[0] <- i
+		}
+		wg.Wait()
+		b.StopTimer()
+		for s := range benchStages {
+			close(chans[s])
+			workers[s].Wait()
+		}
+		close(chans[benchStages])
+	})
+}
