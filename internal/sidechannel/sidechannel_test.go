@@ -430,9 +430,9 @@ func TestGarbageKeepsServing(t *testing.T) {
 		{{}, {0x92, 0xc4}},            // truncated
 		{{}, {0x81, 0xa1, 'a', 0x01}}, // map, not array
 		{{}, {0x92, 0xac, 'g', 'e', 't', '_', 'm', 'e', 't', 'a', '_', 'm', 's', 'g', 0xa0}}, // str tag
-		{{}, {0x92, 0xc4, 0x03, 'f', 'o', 'o', 0xa0}},                                      // unknown
-		{{}, wire.EncodeGetMeta(), wire.EncodeGetMeta()},                                   // two payloads
-		{{}, []byte(strings.Repeat("\x92", 100))},                                          // nesting
+		{{}, {0x92, 0xc4, 0x03, 'f', 'o', 'o', 0xa0}},                                        // unknown
+		{{}, wire.EncodeGetMeta(), wire.EncodeGetMeta()},                                     // two payloads
+		{{}, []byte(strings.Repeat("\x92", 100))},                                            // nesting
 	}
 	rng := rand.New(rand.NewPCG(7, 7))
 	for range 50 {
@@ -738,5 +738,27 @@ func TestOptionsValidate(t *testing.T) {
 	err := ClientOptions{AttemptTimeout: time.Microsecond, Attempts: -1, MaxConnsPerPeer: 1, MaxIdlePerPeer: 2}.Validate()
 	if err == nil || !strings.Contains(err.Error(), "AttemptTimeout") || !strings.Contains(err.Error(), "Attempts") || !strings.Contains(err.Error(), "MaxIdlePerPeer") {
 		t.Fatalf("want all problems, got %v", err)
+	}
+}
+
+func BenchmarkGetMetaLoopback(b *testing.B) {
+	zctx, err := NewContext(ContextOptions{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer zctx.Close()
+	s, err := NewServer(zctx, ServerOptions{Addr: "127.0.0.1:0"}, &recorder{md: testMeta})
+	if err != nil {
+		b.Fatal(err)
+	}
+	c, err := NewClient(zctx, ClientOptions{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx := context.Background()
+	for b.Loop() {
+		if _, err := c.GetMeta(ctx, s.Addr()); err != nil {
+			b.Fatal(err)
+		}
 	}
 }
