@@ -1,2 +1,85 @@
-// Package mooncake is part of kvflow; not built yet.
+// Package mooncake is kvflow's transfer engine: it moves KV-cache blocks
+// between the memory of prefill (P) and decode (D) workers with the
+// semantics of Mooncake's TransferEngine. A process registers memory
+// regions by virtual address; a peer names the engine by its session id
+// "host:rpc_port" and submits batches of (local address, remote address,
+// length) reads or writes. Addresses are always the registering process's
+// virtual addresses, as in Mooncake.
+//
+// # Backends
+//
+// [TCPEngine] is a pure-Go engine (the embedded default) that speaks
+// Mooncake TransferEngine's own TCP transport, so a kvflow worker can read
+// from, and serve, a C++ or Python Mooncake engine running with the
+// "P2PHANDSHAKE" metadata mode and the "tcp" protocol. A cgo binding to
+// Mooncake's C API (transfer_engine_c.h), for RDMA and Ascend deployments,
+// is built with the build tag "mooncake" (see README.md); default builds
+// never need it.
+//
+// # Contract
+//
+//   - Register refuses zero-length, wrapping, overlapping and duplicate
+//     regions. Unregister waits until no transfer uses the region.
+//   - BatchRead/BatchWrite are all-or-nothing in their result: nil only if
+//     every op completed; otherwise a *BatchError with one error per op
+//     (ErrNotAttempted for ops skipped after the first failure). The
+//     contents of a failed op's destination are unspecified. Local ranges
+//     must lie inside one registered region each; they are validated
+//     before any I/O. A batch never returns while the engine still
+//     touches its local memory, whether it succeeded, failed, was
+//     cancelled through its context, or the engine was closed.
+//   - A dead peer fails the batch: at once when its sockets close, after
+//     IOTimeout of no progress when it is silent.
+//   - The server serves only ranges fully inside one registered region
+//     (and, with ReadGrants on, covered by granted ranges); anything else
+//     is refused and counted in kvflow_transfer_rejected_total.
+//
+// # Wire protocol (Mooncake TCP transport)
+//
+// Handshake, on the RPC port, one exchange per connection: frames of
+// uint64 little-endian length (counting the type byte), a uint8 type
+// (Connection 0, Metadata 1, Notify 2, Probe 3; a first byte above 3
+// means a legacy frame with no type byte) and a JSON payload, at most
+// 1 MiB. The initiator sends its segment descriptor in a Metadata frame;
+// the target answers with its own:
+//
+//	{"buffers":[{"addr":140245520400384,"length":1048576,"name":"10.0.0.2:17000"}],
+//	 "name":"10.0.0.2:17000","protocol":"tcp","tcp_data_port":15432,
+//	 "tcp_proto_version":2,"timestamp":"2025-06-01 12:00:00.123456"}
+//
+// (keys sorted, no whitespace, trailing newline, as jsoncpp's FastWriter
+// writes it; addresses are uint64 and decoded as integers). The target
+// then half-closes and waits for the initiator to close.
+//
+// Data, on tcp_data_port, persistent connections carrying requests one
+// after another: a 24-byte header {uint64 size; uint64 addr; uint8 opcode;
+// 7 bytes padding} little-endian, opcode READ 0 or WRITE 1, with bit 0x80
+// set for protocol v2 (used when the target advertises
+// tcp_proto_version >= 2). A READ is answered by size bytes from addr; a
+// WRITE is followed by size bytes for addr. Under v2 the target sends an
+// 8-byte status frame 0x4D435456_00000000 ("MCTV") before a READ's data
+// and after a WRITE's data has been applied; 0x4D435456_00000001 means the
+// range was refused, after which the target closes the connection (v1
+// peers only see the close). Under v1 a WRITE is not acknowledged at all:
+// its completion only means the payload left this engine.
+//
+// # Inside TCPEngine (ours, not Mooncake's)
+//
+// Per peer, Lanes persistent connections, each owned by one goroutine
+// that takes requests from the peer's bounded queue, so the ops of a batch
+// spread over the lanes; ops longer than ChunkSize are split. Reads land
+// straight in the destination memory and writes leave straight from the
+// source (no staging copies), in socket I/O of up to ChunkSize (4 MiB).
+// Completion is a channel close: nothing spins or polls. Every goroutine
+// is owned by the engine and waited for in Close.
+//
+// # Never
+//
+// The engine must never read or write memory outside a registered region,
+// for a peer or for the local side of a batch; never serve a range that
+// straddles regions or (with grants on) is not granted; never allocate a
+// frame larger than the cap before validating its length; never decode
+// addresses through float64; never spin a core waiting; never leave a
+// goroutine running after Close; never return from a batch while a lane
+// may still touch its memory; never panic on peer input.
 package mooncake

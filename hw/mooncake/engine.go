@@ -1,0 +1,121 @@
+package mooncake
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"unsafe"
+)
+
+// Op is one transfer of a batch: Length bytes between the local virtual
+// address Local and the remote virtual address Remote (an address the peer
+// registered).
+type Op struct{ Local, Remote, Length uint64 }
+
+// Engine is a transfer engine with Mooncake's semantics. Implementations
+// are safe for concurrent use.
+type Engine interface {
+	// Register makes [addr, addr+length) usable as local memory of a batch
+	// and, for peers, readable and writable. Regions may not overlap.
+	Register(addr, length uint64, name string) error
+	// Unregister removes the region starting at addr, waiting for transfers
+	// that are using it to finish.
+	Unregister(addr uint64) error
+	// Slice returns registered memory as a []byte, checking that the range
+	// lies inside one registered region.
+	Slice(addr, length uint64) ([]byte, error)
+	// BatchRead copies every op's remote range of the peer session
+	// ("host:rpc_port") into its local range. It returns nil only when
+	// every op succeeded; otherwise a *BatchError with one error per op.
+	// It never returns while the engine still touches the local memory.
+	BatchRead(ctx context.Context, session string, ops []Op) error
+	// BatchWrite is BatchRead in the other direction.
+	BatchWrite(ctx context.Context, session string, ops []Op) error
+	// RPCPort is the port of the handshake (RPC) listener.
+	RPCPort() int
+	// SessionID is "host:rpc_port", the name peers use for this engine.
+	SessionID() string
+	// Close stops serving, fails batches in flight and waits for every
+	// goroutine the engine started.
+	Close() error
+}
+
+// Sentinel errors, checked with errors.Is.
+var (
+	ErrClosed        = errors.New("mooncake: engine closed")
+	ErrNotRegistered = errors.New("mooncake: range not inside a registered region")
+	ErrOverlap       = errors.New("mooncake: region overlaps a registered region")
+	ErrZeroLength    = errors.New("mooncake: zero length")
+	ErrRange         = errors.New("mooncake: address range wraps around")
+	ErrRejected      = errors.New("mooncake: request rejected by peer")
+	ErrPeerClosed    = errors.New("mooncake: peer closed the connection")
+	ErrNotAttempted  = errors.New("mooncake: op not attempted (batch failed)")
+	ErrSession       = errors.New("mooncake: bad session id")
+)
+
+// BatchError reports a failed batch: Errs has one entry per op of the
+// batch, nil for ops that completed.
+type BatchError struct {
+	Session string
+	Dir     string // "read" or "write"
+	Ops     []Op
+	Errs    []error
+}
+
+// Failed counts the ops that did not complete.
+func (e *BatchError) Failed() int {
+	n := 0
+	for _, err := range e.Errs {
+		if err != nil {
+			n++
+		}
+	}
+	return n
+}
+
+func (e *BatchError) Error() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "mooncake: batch %s %s: %d of %d ops failed", e.Dir, e.Session, e.Failed(), len(e.Errs))
+	for i, err := range e.Errs {
+		if err != nil && !errors.Is(err, ErrNotAttempted) {
+			op := e.Ops[i]
+			fmt.Fprintf(&b, "; first: op %d (local %#x remote %#x length %d): %v", i, op.Local, op.Remote, op.Length, err)
+			break
+		}
+	}
+	return b.String()
+}
+
+// Unwrap exposes the distinct op errors to errors.Is and errors.As.
+func (e *BatchError) Unwrap() []error {
+	var out []error
+	seen := map[error]bool{}
+	for _, err := range e.Errs {
+		if err != nil && !seen[err] {
+			seen[err] = true
+			out = append(out, err)
+		}
+	}
+	return out
+}
+
+// AddrOf is the virtual address of b's first byte (0 for an empty slice).
+// The memory must not move or be freed while registered: use mmap'd or
+// C-allocated memory, or Go heap memory the caller keeps referenced.
+func AddrOf(b []byte) uint64 {
+	if len(b) == 0 {
+		return 0
+	}
+	return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b))))
+}
+
+// bytesAt turns a registered address into a slice. The address must have
+// been checked against the region table and the region pinned. It copies
+// the integer into an unsafe.Pointer by reinterpretation, the one place
+// the package turns an integer into a pointer.
+func bytesAt(addr, length uint64) []byte {
+	a := uintptr(addr)
+	p := *(*unsafe.Pointer)(unsafe.Pointer(&a))
+	return unsafe.Slice((*byte)(p), int(length))
+}

@@ -1,0 +1,295 @@
+package mooncake
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// TCPEngine is the pure-Go engine speaking Mooncake's TCP transport.
+type TCPEngine struct {
+	cfg     TCPConfig
+	log     *slog.Logger
+	m       *metrics
+	regions regionTable
+	grants  grantTable
+
+	rpcLn, dataLn net.Listener
+	session       string
+	host          string // advertised host
+
+	mu      sync.Mutex
+	closed  bool
+	conns   map[net.Conn]struct{} // accepted connections, closed by Close
+	peers   map[string]*peer
+	ctx     context.Context // cancelled when Close starts
+	cancel  context.CancelFunc
+	done    chan struct{} // closed when Close starts
+	stopped chan struct{} // closed when every goroutine has returned
+	wg      sync.WaitGroup
+}
+
+var _ Engine = (*TCPEngine)(nil)
+
+// NewTCPEngine validates cfg, binds both listeners and starts serving.
+// reg may be nil (metrics not registered); log may be nil (discarded).
+func NewTCPEngine(cfg TCPConfig, reg prometheus.Registerer, log *slog.Logger) (*TCPEngine, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	e := &TCPEngine{
+		cfg:     cfg,
+		m:       newMetrics(reg),
+		conns:   map[net.Conn]struct{}{},
+		peers:   map[string]*peer{},
+		done:    make(chan struct{}),
+		stopped: make(chan struct{}),
+	}
+	e.ctx, e.cancel = context.WithCancel(context.Background())
+	var err error
+	if e.rpcLn, err = net.Listen("tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.RPCPort))); err != nil {
+		e.cancel()
+		return nil, fmt.Errorf("mooncake: listen rpc %s:%d: %w", cfg.Host, cfg.RPCPort, err)
+	}
+	if e.dataLn, err = net.Listen("tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.DataPort))); err != nil {
+		e.rpcLn.Close()
+		e.cancel()
+		return nil, fmt.Errorf("mooncake: listen data %s:%d: %w", cfg.Host, cfg.DataPort, err)
+	}
+	e.host = cfg.AdvertiseHost
+	if e.host == "" {
+		e.host = cfg.Host
+		if ip := net.ParseIP(cfg.Host); cfg.Host == "" || (ip != nil && ip.IsUnspecified()) {
+			if e.host, err = os.Hostname(); err != nil {
+				e.rpcLn.Close()
+				e.dataLn.Close()
+				e.cancel()
+				return nil, fmt.Errorf("mooncake: advertise host: %w", err)
+			}
+		}
+	}
+	e.session = net.JoinHostPort(e.host, strconv.Itoa(e.RPCPort()))
+	e.log = log.With("component", "hw/mooncake", "session", e.session)
+	e.wg.Add(2)
+	go e.acceptLoop(e.rpcLn, e.serveRPC)
+	go e.acceptLoop(e.dataLn, e.serveData)
+	e.log.Info("transfer engine listening", "rpc_port", e.RPCPort(), "data_port", e.DataPort(), "read_grants", cfg.ReadGrants)
+	return e, nil
+}
+
+// RPCPort is the handshake port.
+func (e *TCPEngine) RPCPort() int { return e.rpcLn.Addr().(*net.TCPAddr).Port }
+
+// DataPort is the data port (tcp_data_port).
+func (e *TCPEngine) DataPort() int { return e.dataLn.Addr().(*net.TCPAddr).Port }
+
+// SessionID is "advertise_host:rpc_port", this engine's segment name.
+func (e *TCPEngine) SessionID() string { return e.session }
+
+// Register adds a region. name is the buffer name in the segment
+// descriptor (Mooncake uses the segment name); "" means SessionID.
+func (e *TCPEngine) Register(addr, length uint64, name string) error {
+	if e.isClosed() {
+		return ErrClosed
+	}
+	if name == "" {
+		name = e.session
+	}
+	return e.regions.add(addr, length, name)
+}
+
+// Unregister removes the region at addr, waiting until no transfer uses
+// it (transfers are bounded by IOTimeout).
+func (e *TCPEngine) Unregister(addr uint64) error {
+	r, err := e.regions.remove(addr)
+	if err != nil {
+		return err
+	}
+	<-r.drained
+	return nil
+}
+
+// Slice returns registered memory as a []byte.
+func (e *TCPEngine) Slice(addr, length uint64) ([]byte, error) { return e.regions.slice(addr, length) }
+
+// Grant allows peers to access the ranges when ReadGrants is on. Grants
+// are counted: each Grant of a range needs its own Revoke.
+func (e *TCPEngine) Grant(ranges ...Range) error { return e.grants.grant(ranges) }
+
+// Revoke drops one grant of each range.
+func (e *TCPEngine) Revoke(ranges ...Range) error { return e.grants.revoke(ranges) }
+
+// Segment is the descriptor this engine sends in handshakes.
+func (e *TCPEngine) Segment() *SegmentDesc {
+	return &SegmentDesc{
+		Buffers:         e.regions.buffers(),
+		Name:            e.session,
+		Protocol:        "tcp",
+		TCPDataPort:     e.DataPort(),
+		TCPProtoVersion: e.cfg.ProtoVersion,
+		Timestamp:       FormatTimestamp(time.Now()),
+	}
+}
+
+func (e *TCPEngine) isClosed() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.closed
+}
+
+// Close stops both listeners, closes every connection, fails queued and
+// in-flight ops with ErrClosed and waits for every goroutine.
+func (e *TCPEngine) Close() error {
+	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		<-e.stopped
+		return nil
+	}
+	e.closed = true
+	close(e.done)
+	e.cancel()
+	for c := range e.conns {
+		c.Close()
+	}
+	peers := make([]*peer, 0, len(e.peers))
+	for _, p := range e.peers {
+		peers = append(peers, p)
+	}
+	e.mu.Unlock()
+	e.rpcLn.Close()
+	e.dataLn.Close()
+	for _, p := range peers {
+		for _, l := range p.lanes {
+			l.shutdown()
+		}
+	}
+	e.wg.Wait()
+	close(e.stopped)
+	e.log.Info("transfer engine closed")
+	return nil
+}
+
+// track records an accepted connection so Close can end it; false when
+// the engine is closing.
+func (e *TCPEngine) track(c net.Conn) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return false
+	}
+	e.conns[c] = struct{}{}
+	e.wg.Add(1)
+	return true
+}
+
+func (e *TCPEngine) untrack(c net.Conn) {
+	e.mu.Lock()
+	delete(e.conns, c)
+	e.mu.Unlock()
+	c.Close()
+	e.wg.Done()
+}
+
+func (e *TCPEngine) acceptLoop(ln net.Listener, serve func(net.Conn)) {
+	defer e.wg.Done()
+	var backoff time.Duration
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			select {
+			case <-e.done:
+				return
+			default:
+			}
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			// Transient (EMFILE and the like): back off instead of spinning.
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			e.log.Warn("accept failed", "addr", ln.Addr().String(), "err", err, "backoff", backoff)
+			select {
+			case <-e.done:
+				return
+			case <-time.After(backoff):
+			}
+			continue
+		}
+		backoff = 0
+		if !e.track(c) {
+			c.Close()
+			return
+		}
+		go func() {
+			defer e.untrack(c)
+			serve(c)
+		}()
+	}
+}
+
+// Replies Mooncake's handshake daemon gives a TCP-only engine: an empty
+// HandShakeDesc for Connection (TcpTransport installs no handshake
+// callback), receivePeerNotify's and receivePeerProbe's answers.
+var (
+	replyConnection = []byte(`{"local_gid":"","local_lid":0,"local_nic_path":"","payload":"","peer_nic_path":"","qp_num":[],"reply_msg":""}` + "\n")
+	replyNotify     = []byte(`{"name":"","notify_msg":"success"}` + "\n")
+	replyProbe      = []byte(`{"status":"success"}` + "\n")
+)
+
+// serveRPC answers one handshake frame per connection, as Mooncake's
+// daemon does: read a frame, reply with the same type, half-close, wait
+// for the peer to close.
+func (e *TCPEngine) serveRPC(c net.Conn) {
+	c.SetDeadline(time.Now().Add(e.cfg.HandshakeTimeout))
+	t, payload, err := ReadFrame(c, e.cfg.MaxFrame)
+	if err != nil {
+		e.log.Warn("handshake: bad frame", "peer", c.RemoteAddr().String(), "err", err)
+		return
+	}
+	if !json.Valid(payload) {
+		e.log.Warn("handshake: malformed json", "peer", c.RemoteAddr().String(), "type", t.String(), "bytes", len(payload))
+		return
+	}
+	var reply []byte
+	switch t {
+	case FrameMetadata:
+		reply = EncodeSegment(e.Segment())
+		if len(reply)+1 > DefaultMaxFrame {
+			e.log.Warn("handshake: segment descriptor exceeds Mooncake's default frame cap", "bytes", len(reply))
+		}
+	case FrameConnection, FrameLegacy:
+		reply = replyConnection
+	case FrameNotify:
+		var n struct {
+			Name string `json:"name"`
+			Msg  string `json:"notify_msg"`
+		}
+		_ = json.Unmarshal(payload, &n)
+		e.log.Debug("handshake: notify", "peer_name", n.Name, "bytes", len(n.Msg))
+		reply = replyNotify
+	case FrameProbe:
+		reply = replyProbe
+	}
+	if _, err := c.Write(AppendFrame(nil, t, reply)); err != nil {
+		e.log.Warn("handshake: reply failed", "peer", c.RemoteAddr().String(), "err", err)
+		return
+	}
+	if tc, ok := c.(*net.TCPConn); ok {
+		tc.CloseWrite()
+	}
+	// Wait for the peer's close (bounded by the deadline).
+	io.Copy(io.Discard, io.LimitReader(c, 1<<10))
+}
