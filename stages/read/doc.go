@@ -1,2 +1,16 @@
-// Package read is part of kvflow; not built yet.
+// Package read is the decode pipeline's third stage: it turns each task of
+// a job plus its remote metadata into address triples (stages/plan's
+// seed-exact arithmetic) and runs them through a transfer engine, one batch
+// per task, the tasks of one job concurrently.
+//
+// A per-session limit (the remote prefill rank's transfer-engine endpoint)
+// bounds how many batches run against one peer, so one slow prefill rank
+// cannot take every worker: jobs for other peers keep moving. A failed read
+// invalidates the peer's cached metadata (it may have restarted with new
+// addresses) so the next job re-fetches it.
+//
+// The package never touches sockets or memory itself; it calls a Transfer
+// (hw/mooncake in production). A job whose read fails is failed with the
+// task, the session and the engine's error; the bytes it did move are not
+// trusted.
 package read

@@ -1,2 +1,10 @@
-// Package stitch is part of kvflow; not built yet.
+// Package stitch is the decode pipeline's fourth stage. When one decode
+// rank pulls its heads from P = tp_num_need_pulls prefill ranks, each task
+// lands its 1/P of every block side by side ([P][block_size][heads/P·dim]);
+// after all tasks of the job have landed (the read stage hands a job on
+// only then) this stage reorders those blocks, every layer and part, into
+// [block_size][heads][dim] through the device's stitch kernel — the seed's
+// _cat_kv_cache. With P = 1 it passes the job through without work.
+//
+// It never reorders a block twice and never touches blocks of other jobs.
 package stitch

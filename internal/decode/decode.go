@@ -1,0 +1,407 @@
+package decode
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvflow/kvflow/pipeline"
+	"github.com/kvflow/kvflow/stages/handshake"
+	"github.com/kvflow/kvflow/stages/job"
+	"github.com/kvflow/kvflow/stages/notify"
+	"github.com/kvflow/kvflow/stages/plan"
+	"github.com/kvflow/kvflow/stages/plan/planstage"
+	"github.com/kvflow/kvflow/stages/read"
+	"github.com/kvflow/kvflow/stages/stitch"
+)
+
+// KVTransferParams are the prefill side's kv_transfer_params for a request,
+// as vLLM's router hands them to the decode instance.
+type KVTransferParams struct {
+	RemoteBlockIDs []int  `msgpack:"remote_block_ids" json:"remote_block_ids"`
+	RemoteEngineID string `msgpack:"remote_engine_id" json:"remote_engine_id"`
+	RemoteHost     string `msgpack:"remote_host" json:"remote_host"`
+	RemotePort     int    `msgpack:"remote_port" json:"remote_port"`
+	RemotePCPSize  int    `msgpack:"remote_pcp_size" json:"remote_pcp_size"`
+	RemoteDCPSize  int    `msgpack:"remote_dcp_size" json:"remote_dcp_size"`
+}
+
+// LoadRequest asks for one request's blocks to be pulled.
+type LoadRequest struct {
+	RequestID     string           `msgpack:"request_id" json:"request_id"`
+	LocalBlockIDs []int            `msgpack:"local_block_ids" json:"local_block_ids"`
+	Params        KVTransferParams `msgpack:"kv_transfer_params" json:"kv_transfer_params"`
+}
+
+// Failure is a request that ended without its blocks: the engine must
+// recompute (or drop) BlockIDs.
+type Failure struct {
+	RequestID string `msgpack:"request_id" json:"request_id"`
+	BlockIDs  []int  `msgpack:"block_ids" json:"block_ids"`
+	Reason    string `msgpack:"reason" json:"reason"`
+}
+
+// Result is how one request ended, for observers (OnFinish).
+type Result struct {
+	RequestID string
+	Err       error // nil: done
+	Bytes     uint64
+	Latency   time.Duration
+	BlockIDs  []int
+}
+
+// Options configures the worker.
+type Options struct {
+	Topology plan.Topology
+	Self     plan.Rank
+	// LocalEngineID is this decode instance's engine id.
+	LocalEngineID string
+
+	Fetcher  handshake.Fetcher
+	Transfer read.Transfer
+	Kernel   stitch.Kernel
+	Sender   notify.Sender
+	Layout   plan.CacheLayout
+	Local    plan.Caches
+
+	Stages StageSizes
+	// HandshakeCacheSize, HandshakeTimeout, NotifyTimeout, PerSession:
+	// see the stage packages; zero takes their defaults.
+	HandshakeCacheSize int
+	HandshakeTimeout   time.Duration
+	NotifyTimeout      time.Duration
+	PerSession         int
+	// MaxFinished bounds finished results kept for Finished (an engine that
+	// never polls must not grow memory without end); the oldest are dropped
+	// and counted. 1 << 16.
+	MaxFinished int
+
+	// OnFinish, if set, is called once per request as it ends (after it is
+	// recorded for Finished). It must not block.
+	OnFinish func(Result)
+
+	Registerer prometheus.Registerer
+	Logger     *slog.Logger
+}
+
+// StageSizes are each stage's workers and queue capacity.
+type StageSizes struct {
+	Plan, Handshake, Read, Stitch, Notify StageSize
+}
+
+// StageSize is one stage's pool.
+type StageSize struct{ Workers, Capacity int }
+
+// DefaultStageSizes: planning is microseconds (1 worker); handshakes are
+// mostly cache hits but a miss waits a network round trip (4); reads are
+// the long pole and run several requests' batches at once (8, the
+// per-session limit keeps one peer from taking them all); stitch is
+// CPU-bound and parallel inside (2 = cores here); notify waits for ACKs (8).
+func DefaultStageSizes() StageSizes {
+	return StageSizes{
+		Plan:      StageSize{1, 256},
+		Handshake: StageSize{4, 64},
+		Read:      StageSize{8, 64},
+		Stitch:    StageSize{2, 32},
+		Notify:    StageSize{8, 64},
+	}
+}
+
+// Errors.
+var (
+	ErrDuplicate = errors.New("decode: request already in flight")
+	ErrInvalid   = errors.New("decode: invalid load request")
+	ErrClosed    = errors.New("decode: worker closed")
+)
+
+// Worker is one decode worker.
+type Worker struct {
+	opts Options
+	log  *slog.Logger
+	p    *pipeline.Pipeline[*job.Job]
+	hs   *handshake.Cache
+
+	mu       sync.Mutex
+	inflight map[string]*job.Job
+	done     []string
+	failed   []Failure
+	dropped  int
+
+	requests *prometheus.CounterVec
+	latency  *prometheus.HistogramVec
+	bytes    prometheus.Counter
+}
+
+// New builds and starts the worker's pipeline.
+func New(o Options) (*Worker, error) {
+	var errs []error
+	if o.Fetcher == nil {
+		errs = append(errs, errors.New("decode: nil fetcher"))
+	}
+	if o.Transfer == nil {
+		errs = append(errs, errors.New("decode: nil transfer"))
+	}
+	if o.Sender == nil {
+		errs = append(errs, errors.New("decode: nil sender"))
+	}
+	if o.Kernel == nil && o.Topology.NeedPulls() > 1 {
+		errs = append(errs, errors.New("decode: nil stitch kernel with tp_num_need_pulls > 1"))
+	}
+	if err := o.Topology.Validate(); err != nil {
+		errs = append(errs, fmt.Errorf("decode: topology: %w", err))
+	}
+	if len(errs) > 0 {
+		return nil, errors.Join(errs...)
+	}
+	if o.MaxFinished <= 0 {
+		o.MaxFinished = 1 << 16
+	}
+	if o.Stages == (StageSizes{}) {
+		o.Stages = DefaultStageSizes()
+	}
+	log := o.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	reg := o.Registerer
+	if reg == nil {
+		reg = prometheus.NewRegistry()
+	}
+	w := &Worker{opts: o, log: log.With("component", "decode"), inflight: map[string]*job.Job{}}
+	w.requests = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvflow_decode_requests_total", Help: "Decode requests by outcome (done, failed).",
+	}, []string{"outcome"})
+	w.latency = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "kvflow_decode_request_duration_seconds", Help: "Load to end of a decode request, by outcome.",
+		Buckets: pipeline.DurationBuckets,
+	}, []string{"outcome"})
+	w.bytes = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvflow_decode_bytes_total", Help: "Bytes pulled by requests that ended done.",
+	})
+	for _, c := range []prometheus.Collector{w.requests, w.latency, w.bytes} {
+		if err := reg.Register(c); err != nil {
+			return nil, fmt.Errorf("decode: register metrics: %w", err)
+		}
+	}
+	for _, oc := range []string{"done", "failed"} {
+		w.requests.WithLabelValues(oc)
+		w.latency.WithLabelValues(oc)
+	}
+	hs, err := handshake.NewCache(o.Fetcher, handshake.Options{
+		Size: o.HandshakeCacheSize, Timeout: o.HandshakeTimeout, LocalEngineID: o.LocalEngineID, Registerer: reg,
+	})
+	if err != nil {
+		return nil, err
+	}
+	w.hs = hs
+	rd, err := read.New(o.Transfer, read.Options{
+		Layout: o.Layout, Local: o.Local, PerSession: o.PerSession, Registerer: reg,
+		Invalidate: func(j *job.Job, i int) { hs.Invalidate(handshake.KeyOf(j, i)) },
+	})
+	if err != nil {
+		return nil, err
+	}
+	nt, err := notify.New(o.Sender, notify.Options{Timeout: o.NotifyTimeout, Logger: log, Registerer: reg})
+	if err != nil {
+		return nil, err
+	}
+	st := o.Stages
+	p, err := pipeline.New(pipeline.Config[*job.Job]{
+		Stages: []pipeline.StageConfig[*job.Job]{
+			{Name: "plan", Workers: st.Plan.Workers, Capacity: st.Plan.Capacity, Stage: planstage.Stage{Topology: o.Topology, Self: o.Self}},
+			{Name: "handshake", Workers: st.Handshake.Workers, Capacity: st.Handshake.Capacity, Stage: handshake.Stage{Cache: hs}},
+			{Name: "read", Workers: st.Read.Workers, Capacity: st.Read.Capacity, Stage: rd},
+			{Name: "stitch", Workers: st.Stitch.Workers, Capacity: st.Stitch.Capacity, Stage: stitch.Stage{Kernel: o.Kernel}},
+			{Name: "notify", Workers: st.Notify.Workers, Capacity: st.Notify.Capacity, Stage: nt, SeesFailed: true},
+		},
+		Sink:       w.sink,
+		Registerer: reg,
+		Logger:     log,
+	})
+	if err != nil {
+		return nil, err
+	}
+	w.p = p
+	return w, nil
+}
+
+// Load submits requests; it blocks while the pipeline is full (ctx bounds
+// the wait). The error at index i is request i's: nil means it was
+// accepted and will appear exactly once in Finished.
+func (w *Worker) Load(ctx context.Context, reqs []LoadRequest) []error {
+	errs := make([]error, len(reqs))
+	for i, r := range reqs {
+		errs[i] = w.load(ctx, r)
+	}
+	return errs
+}
+
+func (w *Worker) load(ctx context.Context, r LoadRequest) error {
+	if err := validate(r); err != nil {
+		return err
+	}
+	j := job.New(plan.Request{
+		ID:             r.RequestID,
+		LocalBlockIDs:  r.LocalBlockIDs,
+		RemoteBlockIDs: r.Params.RemoteBlockIDs,
+		RemoteHost:     r.Params.RemoteHost,
+		RemotePort:     r.Params.RemotePort,
+		RemoteEngineID: r.Params.RemoteEngineID,
+		RemotePCPSize:  max(1, r.Params.RemotePCPSize),
+		RemoteDCPSize:  max(1, r.Params.RemoteDCPSize),
+	}, time.Now())
+	w.mu.Lock()
+	if _, dup := w.inflight[r.RequestID]; dup {
+		w.mu.Unlock()
+		return fmt.Errorf("load %q: %w", r.RequestID, ErrDuplicate)
+	}
+	w.inflight[r.RequestID] = j
+	w.mu.Unlock()
+	if err := w.p.Submit(ctx, j); err != nil {
+		w.mu.Lock()
+		delete(w.inflight, r.RequestID)
+		w.mu.Unlock()
+		j.Release()
+		if errors.Is(err, pipeline.ErrClosed) {
+			return fmt.Errorf("load %q: %w", r.RequestID, ErrClosed)
+		}
+		return fmt.Errorf("load %q: %w", r.RequestID, err)
+	}
+	w.log.Debug("request loaded", "request_id", r.RequestID, "blocks", len(r.LocalBlockIDs))
+	return nil
+}
+
+func validate(r LoadRequest) error {
+	var errs []error
+	if r.RequestID == "" {
+		errs = append(errs, errors.New("request_id: empty"))
+	}
+	p := r.Params
+	if p.RemoteHost == "" {
+		errs = append(errs, errors.New("kv_transfer_params.remote_host: empty"))
+	}
+	if p.RemotePort <= 0 || p.RemotePort > 65535 {
+		errs = append(errs, fmt.Errorf("kv_transfer_params.remote_port: %d out of range", p.RemotePort))
+	}
+	if p.RemoteEngineID == "" {
+		errs = append(errs, errors.New("kv_transfer_params.remote_engine_id: empty"))
+	}
+	if p.RemotePCPSize < 0 || p.RemoteDCPSize < 0 {
+		errs = append(errs, fmt.Errorf("kv_transfer_params.remote_pcp_size/remote_dcp_size: negative (%d, %d)", p.RemotePCPSize, p.RemoteDCPSize))
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("load %q: %w: %w", r.RequestID, ErrInvalid, errors.Join(errs...))
+	}
+	return nil
+}
+
+// Abort cancels in-flight requests; each still ends exactly once (failed,
+// reason "aborted", unless it had already finished). Unknown ids are
+// ignored; the count of requests aborted is returned.
+func (w *Worker) Abort(ids []string) int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	n := 0
+	for _, id := range ids {
+		if j, ok := w.inflight[id]; ok {
+			j.Abort(job.ErrAborted)
+			n++
+		}
+	}
+	return n
+}
+
+// Finished returns, and forgets, the requests that ended since the last
+// call: done ids and failures.
+func (w *Worker) Finished() (done []string, failed []Failure) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	done, failed = w.done, w.failed
+	w.done, w.failed = nil, nil
+	return done, failed
+}
+
+// Status is a snapshot of the worker.
+type Status struct {
+	InFlight       int `msgpack:"in_flight" json:"in_flight"`
+	PendingDone    int `msgpack:"pending_done" json:"pending_done"`
+	PendingFailed  int `msgpack:"pending_failed" json:"pending_failed"`
+	DroppedResults int `msgpack:"dropped_results" json:"dropped_results"`
+	CachedPeers    int `msgpack:"cached_peers" json:"cached_peers"`
+}
+
+// Status reports counts.
+func (w *Worker) Status() Status {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return Status{InFlight: len(w.inflight), PendingDone: len(w.done), PendingFailed: len(w.failed),
+		DroppedResults: w.dropped, CachedPeers: w.hs.Len()}
+}
+
+// Close stops intake and drains in-flight requests until ctx ends; then
+// cancels the rest, which end as failed ("canceled").
+func (w *Worker) Close(ctx context.Context) error { return w.p.Close(ctx) }
+
+func (w *Worker) sink(r pipeline.Result[*job.Job]) {
+	j := r.Item
+	defer j.Release()
+	var err error
+	switch r.Outcome {
+	case pipeline.Done:
+		if cause := j.Aborted(); cause != nil {
+			// It finished its work as the abort came: the bytes landed but
+			// the engine asked to drop it; report what it asked for.
+			err = cause
+		}
+	default:
+		err = r.Err
+		if cause := j.Aborted(); cause != nil {
+			err = fmt.Errorf("%w (%v)", cause, r.Err)
+		}
+		if r.Stage != "" {
+			err = fmt.Errorf("stage %s: %w", r.Stage, err)
+		}
+	}
+	lat := time.Since(j.Submitted)
+	w.mu.Lock()
+	delete(w.inflight, j.Req.ID)
+	if err == nil {
+		w.done = append(w.done, j.Req.ID)
+	} else {
+		w.failed = append(w.failed, Failure{RequestID: j.Req.ID, BlockIDs: j.Req.LocalBlockIDs, Reason: err.Error()})
+	}
+	if over := len(w.done) + len(w.failed) - w.opts.MaxFinished; over > 0 {
+		w.dropOldest(over)
+	}
+	w.mu.Unlock()
+	if err == nil {
+		w.requests.WithLabelValues("done").Inc()
+		w.latency.WithLabelValues("done").Observe(lat.Seconds())
+		w.bytes.Add(float64(j.BytesRead.Load()))
+		w.log.Debug("request done", "request_id", j.Req.ID, "bytes", j.BytesRead.Load(), "latency", lat)
+	} else {
+		w.requests.WithLabelValues("failed").Inc()
+		w.latency.WithLabelValues("failed").Observe(lat.Seconds())
+		w.log.Warn("request failed", "request_id", j.Req.ID, "blocks", len(j.Req.LocalBlockIDs), "err", err)
+	}
+	if w.opts.OnFinish != nil {
+		w.opts.OnFinish(Result{RequestID: j.Req.ID, Err: err, Bytes: j.BytesRead.Load(), Latency: lat, BlockIDs: j.Req.LocalBlockIDs})
+	}
+}
+
+// dropOldest discards n finished results, done ones first (a failure is
+// what the engine most needs to see). Called with w.mu held.
+func (w *Worker) dropOldest(n int) {
+	d := min(n, len(w.done))
+	w.done = w.done[d:]
+	n -= d
+	if n > 0 {
+		w.failed = w.failed[n:]
+	}
+	w.dropped += d + n
+}

@@ -1,0 +1,250 @@
+package handshake
+
+import (
+	"container/list"
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sync/errgroup"
+	"golang.org/x/sync/singleflight"
+
+	"github.com/kvflow/kvflow/stages/job"
+)
+
+// Fetcher fetches a side channel's metadata at endpoint "host:port".
+type Fetcher interface {
+	GetMeta(ctx context.Context, endpoint string) (job.Meta, error)
+}
+
+// FetcherFunc adapts a function to Fetcher.
+type FetcherFunc func(ctx context.Context, endpoint string) (job.Meta, error)
+
+// GetMeta calls f.
+func (f FetcherFunc) GetMeta(ctx context.Context, endpoint string) (job.Meta, error) {
+	return f(ctx, endpoint)
+}
+
+// Key names a remote rank's side channel.
+type Key struct {
+	EngineID string
+	Endpoint string // host:handshake_port
+}
+
+// Options configures a Cache.
+type Options struct {
+	// Size bounds the number of cached peers. 4096: a decode worker talks
+	// to at most prefill instances × their workers; metadata of one peer is
+	// a few KiB.
+	Size int
+	// Timeout bounds one fetch (including the client's own retries).
+	// 5 s: the side channel's client retries 3 × 1 s.
+	Timeout time.Duration
+	// LocalEngineID is this worker's engine id; a peer claiming it is
+	// rejected (the seed asserts the same).
+	LocalEngineID string
+	Registerer    prometheus.Registerer
+}
+
+// Errors.
+var (
+	ErrEngineMismatch = errors.New("handshake: engine id mismatch")
+	ErrBadMeta        = errors.New("handshake: bad metadata")
+)
+
+// Cache is the bounded, deduplicating metadata cache.
+type Cache struct {
+	f    Fetcher
+	opts Options
+	sf   singleflight.Group
+
+	mu  sync.Mutex
+	lru *list.List // of *entry, most recent first
+	idx map[Key]*list.Element
+
+	hits, misses, invalidations, errs prometheus.Counter
+}
+
+type entry struct {
+	key  Key
+	meta job.Meta
+}
+
+// NewCache makes a cache over f.
+func NewCache(f Fetcher, opts Options) (*Cache, error) {
+	if f == nil {
+		return nil, errors.New("handshake: nil fetcher")
+	}
+	if opts.Size <= 0 {
+		opts.Size = 4096
+	}
+	if opts.Timeout <= 0 {
+		opts.Timeout = 5 * time.Second
+	}
+	c := &Cache{f: f, opts: opts, lru: list.New(), idx: map[Key]*list.Element{}}
+	lookups := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvflow_handshake_cache_lookups_total",
+		Help: "Metadata cache lookups by result (hit, miss).",
+	}, []string{"result"})
+	c.hits, c.misses = lookups.WithLabelValues("hit"), lookups.WithLabelValues("miss")
+	inv := prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvflow_handshake_cache_invalidations_total",
+		Help: "Cached metadata dropped because a read failed or the peer's boot epoch changed.",
+	})
+	fe := prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvflow_handshake_fetch_errors_total",
+		Help: "Metadata fetches that failed.",
+	})
+	c.invalidations, c.errs = inv, fe
+	size := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kvflow_handshake_cache_entries",
+		Help: "Peers whose metadata is cached.",
+	}, func() float64 { return float64(c.Len()) })
+	if opts.Registerer != nil {
+		for _, col := range []prometheus.Collector{lookups, inv, fe, size} {
+			if err := opts.Registerer.Register(col); err != nil {
+				return nil, fmt.Errorf("handshake: register metrics: %w", err)
+			}
+		}
+	}
+	return c, nil
+}
+
+// Len is the number of cached peers.
+func (c *Cache) Len() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.lru.Len()
+}
+
+// Get returns k's metadata, fetching it on a miss.
+func (c *Cache) Get(ctx context.Context, k Key) (job.Meta, error) {
+	if m, ok := c.lookup(k); ok {
+		c.hits.Inc()
+		return m, nil
+	}
+	c.misses.Inc()
+	ch := c.sf.DoChan(k.EngineID+"\x00"+k.Endpoint, func() (any, error) {
+		// The fetch must not die with the first caller's context: others
+		// share it. It is bounded by the timeout instead.
+		fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.opts.Timeout)
+		defer cancel()
+		m, err := c.f.GetMeta(fctx, k.Endpoint)
+		if err != nil {
+			c.errs.Inc()
+			return job.Meta{}, fmt.Errorf("handshake engine %q at %s: %w", k.EngineID, k.Endpoint, err)
+		}
+		if err := c.check(k, m); err != nil {
+			c.errs.Inc()
+			return job.Meta{}, err
+		}
+		c.store(k, m)
+		return m, nil
+	})
+	select {
+	case r := <-ch:
+		if r.Err != nil {
+			return job.Meta{}, r.Err
+		}
+		return r.Val.(job.Meta), nil
+	case <-ctx.Done():
+		return job.Meta{}, fmt.Errorf("handshake engine %q at %s: %w", k.EngineID, k.Endpoint, context.Cause(ctx))
+	}
+}
+
+func (c *Cache) check(k Key, m job.Meta) error {
+	switch {
+	case c.opts.LocalEngineID != "" && m.EngineID == c.opts.LocalEngineID:
+		return fmt.Errorf("handshake %s: %w: peer claims the local engine id %q", k.Endpoint, ErrEngineMismatch, m.EngineID)
+	case k.EngineID != "" && m.EngineID != k.EngineID:
+		return fmt.Errorf("handshake %s: %w: request names %q, peer is %q", k.Endpoint, ErrEngineMismatch, k.EngineID, m.EngineID)
+	case m.TERPCPort <= 0 || m.TERPCPort > 65535:
+		return fmt.Errorf("handshake %s: %w: te_rpc_port %d", k.Endpoint, ErrBadMeta, m.TERPCPort)
+	case len(m.BaseAddrs) == 0:
+		return fmt.Errorf("handshake %s: %w: no kv_caches_base_addr", k.Endpoint, ErrBadMeta)
+	case m.NumBlocks <= 0:
+		return fmt.Errorf("handshake %s: %w: num_blocks %d", k.Endpoint, ErrBadMeta, m.NumBlocks)
+	}
+	return nil
+}
+
+func (c *Cache) lookup(k Key) (job.Meta, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	el, ok := c.idx[k]
+	if !ok {
+		return job.Meta{}, false
+	}
+	c.lru.MoveToFront(el)
+	return el.Value.(*entry).meta, true
+}
+
+func (c *Cache) store(k Key, m job.Meta) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if el, ok := c.idx[k]; ok {
+		el.Value.(*entry).meta = m
+		c.lru.MoveToFront(el)
+		return
+	}
+	c.idx[k] = c.lru.PushFront(&entry{key: k, meta: m})
+	for c.lru.Len() > c.opts.Size {
+		old := c.lru.Back()
+		c.lru.Remove(old)
+		delete(c.idx, old.Value.(*entry).key)
+	}
+}
+
+// Invalidate drops k's cached metadata (a read failed; the peer may have
+// restarted). It reports whether an entry was dropped.
+func (c *Cache) Invalidate(k Key) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	el, ok := c.idx[k]
+	if !ok {
+		return false
+	}
+	c.lru.Remove(el)
+	delete(c.idx, k)
+	c.invalidations.Inc()
+	return true
+}
+
+// Stage fetches (or finds cached) metadata for every task of a job, all
+// tasks concurrently.
+type Stage struct{ Cache *Cache }
+
+// Process fills j.Metas.
+func (s Stage) Process(ctx context.Context, j *job.Job) error {
+	ctx, stop := j.Context(ctx)
+	defer stop()
+	g, gctx := errgroup.WithContext(ctx)
+	for i := range j.Plan.Tasks {
+		k := Key{EngineID: j.Plan.RemoteEngineID, Endpoint: j.HandshakeEndpoint(i)}
+		if i > 0 && j.HandshakeEndpoint(i-1) == k.Endpoint {
+			continue // same rank as the previous task: filled below
+		}
+		g.Go(func() error {
+			m, err := s.Cache.Get(gctx, k)
+			j.Metas[i] = m
+			return err
+		})
+	}
+	if err := g.Wait(); err != nil {
+		return err
+	}
+	for i := 1; i < len(j.Plan.Tasks); i++ {
+		if j.Metas[i].TERPCPort == 0 && j.HandshakeEndpoint(i-1) == j.HandshakeEndpoint(i) {
+			j.Metas[i] = j.Metas[i-1]
+		}
+	}
+	return nil
+}
+
+// KeyOf is the cache key of task i of j.
+func KeyOf(j *job.Job, i int) Key {
+	return Key{EngineID: j.Plan.RemoteEngineID, Endpoint: j.HandshakeEndpoint(i)}
+}
