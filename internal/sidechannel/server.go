@@ -73,6 +73,7 @@ type Server struct {
 	zctx *Context
 	opts ServerOptions
 	h    Handler
+	raw  RawHandler // set for NewRouter: payloads are not the seed's messages
 	log  *slog.Logger
 	m    *metrics
 	addr string
@@ -106,6 +107,37 @@ func NewServer(zctx *Context, opts ServerOptions, h Handler) (_ *Server, err err
 	if err != nil {
 		return nil, fmt.Errorf("sidechannel: server: %w", err)
 	}
+	return newServer(zctx, opts, ep, h, nil)
+}
+
+// RawHandler answers one request payload with one reply payload; it is
+// called on the socket's goroutine, one request at a time.
+type RawHandler func(payload []byte) []byte
+
+// NewRouter binds a ROUTER on a full ZMQ endpoint (tcp://host:port or
+// ipc://path) and answers each REQ-style request [identity, "", payload]
+// with [identity, "", h(payload)]. It shares the side channel's socket
+// ownership, wake-up and shutdown rules, on the one process context; the
+// control socket uses it. opts.Addr is the endpoint.
+func NewRouter(zctx *Context, opts ServerOptions, h RawHandler) (*Server, error) {
+	if zctx == nil || h == nil {
+		return nil, errors.New("sidechannel: NewRouter: nil Context or handler")
+	}
+	ep := endpoint{key: opts.Addr, zmq: opts.Addr}
+	switch {
+	case strings.HasPrefix(opts.Addr, "ipc://") && len(opts.Addr) > len("ipc://"):
+	case strings.HasPrefix(opts.Addr, "tcp://"):
+		var err error
+		if ep, err = parseEndpoint(opts.Addr, true); err != nil {
+			return nil, fmt.Errorf("sidechannel: router: %w", err)
+		}
+	default:
+		return nil, fmt.Errorf("sidechannel: router: %w %q: want tcp://host:port or ipc://path", ErrEndpoint, opts.Addr)
+	}
+	return newServer(zctx, opts, ep, nil, h)
+}
+
+func newServer(zctx *Context, opts ServerOptions, ep endpoint, h Handler, raw RawHandler) (_ *Server, err error) {
 	if opts.MaxMessageBytes == 0 {
 		opts.MaxMessageBytes = 1 << 20
 	}
@@ -116,7 +148,7 @@ func NewServer(zctx *Context, opts ServerOptions, h Handler) (_ *Server, err err
 	if log == nil {
 		log = zctx.log
 	}
-	s := &Server{zctx: zctx, opts: opts, h: h, m: zctx.metrics, done: make(chan struct{})}
+	s := &Server{zctx: zctx, opts: opts, h: h, raw: raw, m: zctx.metrics, done: make(chan struct{})}
 	defer func() {
 		if err != nil {
 			zctx.closeSocket(s.wakeS)
@@ -248,6 +280,10 @@ func (s *Server) handle(frames [][]byte) {
 		s.bad(frames, badEnvelope, fmt.Sprintf("%d payload frames, want 1", len(payload)), nil)
 		return
 	}
+	if s.raw != nil {
+		s.handleRaw(id, payload[0])
+		return
+	}
 	req, err := wire.DecodeRequest(payload[0])
 	if err != nil {
 		reason := badDecode
@@ -353,4 +389,20 @@ func (s *Server) callDone(reqID string) (err error) {
 		}
 	}()
 	return s.h.Done(reqID)
+}
+
+func (s *Server) handleRaw(id, payload []byte) {
+	var reply []byte
+	func() {
+		defer func() {
+			if v := recover(); v != nil {
+				s.log.Error("router handler panicked", "panic", v)
+				reply = wire.EncodeErrorReply("internal error")
+			}
+		}()
+		reply = s.raw(payload)
+	}()
+	if err := s.reply(id, reply); err != nil {
+		s.log.Warn("router reply failed", "err", err)
+	}
 }
