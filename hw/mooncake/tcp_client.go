@@ -61,8 +61,8 @@ func (b *batch) finish(i int, err error) {
 
 // task is one request on the wire: an op, or a ChunkSize piece of one.
 type task struct {
-	b                      *batch
-	op                     int
+	b                     *batch
+	op                    int
 	local, remote, length uint64
 }
 

@@ -1,0 +1,127 @@
+package mooncake
+
+import (
+	"errors"
+	"testing"
+)
+
+func TestRegions(t *testing.T) {
+	var rt regionTable
+	const base = 0x10000
+	steps := []struct {
+		name       string
+		addr, size uint64
+		want       error
+	}{
+		{"first", base, 0x1000, nil},
+		{"duplicate", base, 0x1000, ErrOverlap},
+		{"overlap start", base - 0x10, 0x20, ErrOverlap},
+		{"overlap end", base + 0xfff, 0x10, ErrOverlap},
+		{"inside", base + 0x10, 0x10, ErrOverlap},
+		{"covering", base - 0x100, 0x2000, ErrOverlap},
+		{"adjacent after", base + 0x1000, 0x1000, nil},
+		{"adjacent before", base - 0x1000, 0x1000, nil},
+		{"zero length", 0x90000, 0, ErrZeroLength},
+		{"wraps", ^uint64(0) - 10, 100, ErrRange},
+		{"null", 0, 0x10, ErrNotRegistered},
+	}
+	for _, s := range steps {
+		if err := rt.add(s.addr, s.size, s.name); !errors.Is(err, s.want) || (s.want == nil) != (err == nil) {
+			t.Errorf("%s: %v, want %v", s.name, err, s.want)
+		}
+	}
+	lookups := []struct {
+		addr, size uint64
+		ok         bool
+	}{
+		{base, 0x1000, true},
+		{base + 0xff0, 0x10, true},
+		{base + 0xff0, 0x11, false}, // straddles two adjacent regions
+		{base - 0x1000, 1, true},
+		{base - 0x1001, 1, false},
+		{base + 0x2000, 1, false},
+		{base, 0, false},
+	}
+	for _, l := range lookups {
+		r, err := rt.pin(l.addr, l.size)
+		if (err == nil) != l.ok {
+			t.Errorf("pin %#x+%d: %v", l.addr, l.size, err)
+		}
+		if err == nil {
+			r.unpin()
+		}
+	}
+	if _, err := rt.remove(base + 1); !errors.Is(err, ErrNotRegistered) {
+		t.Errorf("remove inside: %v", err)
+	}
+	// A pinned region drains only when unpinned.
+	r, _ := rt.pin(base, 8)
+	rr, err := rt.remove(base)
+	if err != nil || rr != r {
+		t.Fatal(err)
+	}
+	select {
+	case <-rr.drained:
+		t.Fatal("drained while pinned")
+	default:
+	}
+	r.unpin()
+	<-rr.drained
+	if _, err := rt.pin(base, 8); !errors.Is(err, ErrNotRegistered) {
+		t.Fatalf("pin after remove: %v", err)
+	}
+	if n := len(rt.buffers()); n != 2 {
+		t.Fatalf("%d buffers", n)
+	}
+}
+
+func TestGrantTable(t *testing.T) {
+	var g grantTable
+	if g.covers(0x1000, 1) {
+		t.Fatal("empty table covers")
+	}
+	g.grant([]Range{{0x1000, 0x100}, {0x1100, 0x100}, {0x1300, 0x100}})
+	for _, c := range []struct {
+		addr, n uint64
+		want    bool
+	}{
+		{0x1000, 0x200, true}, // spans two adjacent grants
+		{0x10ff, 2, true},
+		{0x1000, 0x201, false}, // runs into the gap
+		{0x1200, 1, false},
+		{0x1300, 0x100, true},
+		{0xfff, 1, false},
+		{0x1000, 0, false},
+	} {
+		if got := g.covers(c.addr, c.n); got != c.want {
+			t.Errorf("covers %#x+%#x = %v", c.addr, c.n, got)
+		}
+	}
+	if err := g.grant([]Range{{0x1, 0}}); !errors.Is(err, ErrZeroLength) {
+		t.Fatalf("zero grant: %v", err)
+	}
+	if err := g.revoke([]Range{{0x1100, 0x100}, {0x9000, 1}}); err == nil {
+		t.Fatal("revoke of an ungranted range: no error")
+	}
+	if g.covers(0x1000, 0x200) || !g.covers(0x1000, 0x100) {
+		t.Fatal("revoke not applied")
+	}
+	if g.len() != 2 {
+		t.Fatalf("len %d", g.len())
+	}
+}
+
+func TestConfigValidate(t *testing.T) {
+	if err := DefaultTCPConfig().Validate(); err != nil {
+		t.Fatal(err)
+	}
+	c := DefaultTCPConfig()
+	c.Lanes, c.ChunkSize, c.IOTimeout, c.RPCPort, c.ProtoVersion = 0, 10, 0, 70000, 3
+	err := c.Validate()
+	if err == nil {
+		t.Fatal("no error")
+	}
+	if n := len(err.(interface{ Unwrap() []error }).Unwrap()); n != 5 {
+		t.Fatalf("%d problems reported: %v", n, err)
+	}
+}
