@@ -1,0 +1,364 @@
+//go:build mooncake && cgo
+
+package mooncake
+
+// The cgo binding to Mooncake's C API (mooncake-transfer-engine/include/
+// transfer_engine_c.h), for RDMA and Ascend deployments. Built only with
+// -tags mooncake where Mooncake is installed; see README.md for the
+// CGO_CFLAGS/CGO_LDFLAGS. Link list as Mooncake's own Go bindings use it:
+// transfer_engine, base (its common utilities), and the C++ runtime.
+
+/*
+#cgo LDFLAGS: -ltransfer_engine -lstdc++ -lm
+#include <stdlib.h>
+#include "transfer_engine_c.h"
+*/
+import "C"
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// CgoConfig configures the cgo engine.
+type CgoConfig struct {
+	// Metadata is the metadata connection string; "P2PHANDSHAKE" (the
+	// default) exchanges descriptors peer to peer on the RPC port, as the
+	// seed's connector does.
+	Metadata string
+	// Host is the address peers reach this engine at; RPCPort the handshake
+	// port (0: Mooncake picks one).
+	Host    string
+	RPCPort int
+	// Protocol is the transport to install: "rdma", "tcp", "ascend", ...
+	Protocol string
+	// NICPriorityMatrix is installTransport's argument for "rdma" (a JSON
+	// topology matrix); "" lets Mooncake discover the topology.
+	NICPriorityMatrix string
+	// Location tags registered memory ("cpu:0", "cuda:0", "npu:0").
+	Location string
+	// PollMin and PollMax bound the sleep between completion checks: it
+	// starts at PollMin and doubles to PollMax, so waiting never spins.
+	PollMin, PollMax time.Duration
+}
+
+// DefaultCgoConfig returns the defaults.
+func DefaultCgoConfig() CgoConfig {
+	return CgoConfig{
+		Metadata: "P2PHANDSHAKE",
+		Host:     "127.0.0.1",
+		Protocol: "rdma",
+		Location: "cpu:0",
+		// A 256 KiB RDMA read completes in ~20 µs: check that soon, then
+		// back off to 1 ms so a long batch costs ~1000 wake-ups a second.
+		PollMin: 20 * time.Microsecond,
+		PollMax: time.Millisecond,
+	}
+}
+
+// CgoEngine implements Engine over Mooncake's C API.
+type CgoEngine struct {
+	cfg     CgoConfig
+	log     *slog.Logger
+	m       *metrics
+	eng     C.transfer_engine_t
+	regions regionTable
+	session string
+	rpcPort int
+
+	mu       sync.Mutex
+	closed   bool
+	segments map[string]C.int32_t
+	inflight sync.WaitGroup
+}
+
+var _ Engine = (*CgoEngine)(nil)
+
+// ErrMooncake wraps a failing Mooncake C call.
+var ErrMooncake = errors.New("mooncake: transfer engine call failed")
+
+// NewCgoEngine creates a Mooncake transfer engine and installs the
+// configured transport.
+func NewCgoEngine(cfg CgoConfig, reg prometheus.Registerer, log *slog.Logger) (*CgoEngine, error) {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	if cfg.PollMin <= 0 || cfg.PollMax < cfg.PollMin {
+		return nil, fmt.Errorf("mooncake config: poll interval %v..%v", cfg.PollMin, cfg.PollMax)
+	}
+	meta := C.CString(cfg.Metadata)
+	defer C.free(unsafe.Pointer(meta))
+	name := C.CString(cfg.Host) // in P2P mode Mooncake appends the port
+	defer C.free(unsafe.Pointer(name))
+	host := C.CString(cfg.Host)
+	defer C.free(unsafe.Pointer(host))
+	eng := C.createTransferEngine(meta, name, host, C.uint64_t(cfg.RPCPort), 0)
+	if eng == nil {
+		return nil, fmt.Errorf("%w: createTransferEngine(%q, %q, %d)", ErrMooncake, cfg.Metadata, cfg.Host, cfg.RPCPort)
+	}
+	e := &CgoEngine{cfg: cfg, m: newMetrics(reg), eng: eng, segments: map[string]C.int32_t{}}
+
+	proto := C.CString(cfg.Protocol)
+	defer C.free(unsafe.Pointer(proto))
+	var args [2]unsafe.Pointer
+	if cfg.NICPriorityMatrix != "" {
+		m := C.CString(cfg.NICPriorityMatrix)
+		defer C.free(unsafe.Pointer(m))
+		args[0] = unsafe.Pointer(m)
+	}
+	// args lives on the Go stack and holds only C pointers: allowed.
+	if C.installTransport(eng, proto, &args[0]) == nil {
+		C.destroyTransferEngine(eng)
+		return nil, fmt.Errorf("%w: installTransport(%q)", ErrMooncake, cfg.Protocol)
+	}
+
+	var buf [256]C.char
+	if C.getLocalIpAndPort(eng, &buf[0], C.size_t(len(buf))) != 0 {
+		C.destroyTransferEngine(eng)
+		return nil, fmt.Errorf("%w: getLocalIpAndPort", ErrMooncake)
+	}
+	e.session = C.GoString(&buf[0])
+	if _, port, err := parseSession(e.session); err == nil {
+		e.rpcPort = port
+	} else {
+		e.rpcPort = cfg.RPCPort
+		e.session = cfg.Host + ":" + strconv.Itoa(cfg.RPCPort)
+	}
+	e.log = log.With("component", "hw/mooncake", "backend", "cgo", "session", e.session)
+	e.log.Info("mooncake transfer engine ready", "protocol", cfg.Protocol)
+	return e, nil
+}
+
+func (e *CgoEngine) RPCPort() int      { return e.rpcPort }
+func (e *CgoEngine) SessionID() string { return e.session }
+
+// Register registers memory with Mooncake (remote accessible). The memory
+// must not be Go-managed: Mooncake keeps the pointer.
+func (e *CgoEngine) Register(addr, length uint64, name string) error {
+	if err := e.regions.add(addr, length, name); err != nil {
+		return err
+	}
+	loc := C.CString(e.cfg.Location)
+	defer C.free(unsafe.Pointer(loc))
+	if rc := C.registerLocalMemory(e.eng, cptr(addr), C.size_t(length), loc, 1); rc != 0 {
+		if r, err := e.regions.remove(addr); err == nil {
+			<-r.drained
+		}
+		return fmt.Errorf("%w: registerLocalMemory(%#x, %d) = %d", ErrMooncake, addr, length, int(rc))
+	}
+	return nil
+}
+
+// Unregister waits for transfers using the region, then unregisters it.
+func (e *CgoEngine) Unregister(addr uint64) error {
+	r, err := e.regions.remove(addr)
+	if err != nil {
+		return err
+	}
+	<-r.drained
+	if rc := C.unregisterLocalMemory(e.eng, cptr(addr)); rc != 0 {
+		return fmt.Errorf("%w: unregisterLocalMemory(%#x) = %d", ErrMooncake, addr, int(rc))
+	}
+	return nil
+}
+
+func (e *CgoEngine) Slice(addr, length uint64) ([]byte, error) { return e.regions.slice(addr, length) }
+
+func (e *CgoEngine) BatchRead(ctx context.Context, session string, ops []Op) error {
+	return e.batch(ctx, session, ops, C.OPCODE_READ)
+}
+
+func (e *CgoEngine) BatchWrite(ctx context.Context, session string, ops []Op) error {
+	return e.batch(ctx, session, ops, C.OPCODE_WRITE)
+}
+
+func (e *CgoEngine) segment(session string) (C.int32_t, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if id, ok := e.segments[session]; ok {
+		return id, nil
+	}
+	cs := C.CString(session)
+	defer C.free(unsafe.Pointer(cs))
+	id := C.openSegment(e.eng, cs)
+	if id < 0 {
+		return 0, fmt.Errorf("%w: openSegment(%q) = %d", ErrMooncake, session, int(id))
+	}
+	e.segments[session] = id
+	return id, nil
+}
+
+func (e *CgoEngine) batch(ctx context.Context, session string, ops []Op, opcode C.int) (err error) {
+	dir := dirRead
+	if opcode == C.OPCODE_WRITE {
+		dir = dirWrite
+	}
+	start := time.Now()
+	defer func() {
+		outcome := "ok"
+		if err != nil {
+			outcome = "error"
+		}
+		e.m.batch.WithLabelValues(dir, outcome).Observe(time.Since(start).Seconds())
+	}()
+	if len(ops) == 0 {
+		return nil
+	}
+	errs := make([]error, len(ops))
+	fail := func(err error) error {
+		for i := range errs {
+			if errs[i] == nil {
+				errs[i] = err
+			}
+		}
+		return &BatchError{Session: session, Dir: dir, Ops: ops, Errs: errs}
+	}
+
+	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		return fail(ErrClosed)
+	}
+	e.inflight.Add(1)
+	e.mu.Unlock()
+	defer e.inflight.Done()
+
+	var pins []*region
+	defer func() {
+		for _, r := range pins {
+			r.unpin()
+		}
+	}()
+	bad := false
+	for i, op := range ops {
+		r, err := e.regions.pin(op.Local, op.Length)
+		if err != nil {
+			errs[i], bad = fmt.Errorf("local: %w", err), true
+			continue
+		}
+		pins = append(pins, r)
+	}
+	if bad {
+		return fail(ErrNotAttempted)
+	}
+	if err := ctx.Err(); err != nil {
+		return fail(err)
+	}
+	seg, err := e.segment(session)
+	if err != nil {
+		return fail(err)
+	}
+
+	bid := C.allocateBatchID(e.eng, C.size_t(len(ops)))
+	if bid == C.uint64_t(^uint64(0)) {
+		return fail(fmt.Errorf("%w: allocateBatchID(%d)", ErrMooncake, len(ops)))
+	}
+	defer C.freeBatchID(e.eng, bid)
+
+	// The request array lives in C memory; its pointers are to registered
+	// (non-Go) memory.
+	reqs := (*[1 << 28]C.transfer_request_t)(C.calloc(C.size_t(len(ops)), C.size_t(unsafe.Sizeof(C.transfer_request_t{}))))[:len(ops):len(ops)]
+	defer C.free(unsafe.Pointer(&reqs[0]))
+	for i, op := range ops {
+		reqs[i] = C.transfer_request_t{
+			opcode:        opcode,
+			source:        cptr(op.Local),
+			target_id:     seg,
+			target_offset: C.uint64_t(op.Remote),
+			length:        C.uint64_t(op.Length),
+		}
+	}
+	if rc := C.submitTransfer(e.eng, bid, &reqs[0], C.size_t(len(ops))); rc != 0 {
+		return fail(fmt.Errorf("%w: submitTransfer = %d", ErrMooncake, int(rc)))
+	}
+
+	// Wait for every task to reach a final state, sleeping between checks
+	// with exponential backoff. Mooncake cannot cancel submitted tasks, so
+	// a cancelled context is recorded but the wait goes on: returning
+	// earlier would let the caller reuse memory Mooncake still writes.
+	// Mooncake's own transport timeouts bound the wait.
+	done := make([]bool, len(ops))
+	left := len(ops)
+	sleep := e.cfg.PollMin
+	timer := time.NewTimer(0)
+	defer timer.Stop()
+	<-timer.C
+	for left > 0 {
+		for i := range ops {
+			if done[i] {
+				continue
+			}
+			var st C.transfer_status_t
+			if rc := C.getTransferStatus(e.eng, bid, C.size_t(i), &st); rc != 0 {
+				errs[i], done[i] = fmt.Errorf("%w: getTransferStatus = %d", ErrMooncake, int(rc)), true
+				left--
+				continue
+			}
+			switch st.status {
+			case C.STATUS_COMPLETED:
+				done[i] = true
+				left--
+				e.m.bytes.WithLabelValues(dir).Add(float64(ops[i].Length))
+				e.m.ops.WithLabelValues(dir).Inc()
+			case C.STATUS_FAILED, C.STATUS_CANCELED, C.STATUS_INVALID, C.STATUS_TIMEOUT:
+				errs[i], done[i] = fmt.Errorf("mooncake: %s: transfer status %d", session, int(st.status)), true
+				left--
+			}
+		}
+		if left == 0 {
+			break
+		}
+		timer.Reset(sleep)
+		select {
+		case <-timer.C:
+		case <-ctx.Done():
+			<-timer.C // keep waiting: see above
+		}
+		sleep = min(2*sleep, e.cfg.PollMax)
+	}
+	if ctx.Err() != nil {
+		for i := range errs {
+			if errs[i] == nil && !done[i] {
+				errs[i] = ctx.Err()
+			}
+		}
+	}
+	for _, err := range errs {
+		if err != nil {
+			return &BatchError{Session: session, Dir: dir, Ops: ops, Errs: errs}
+		}
+	}
+	return nil
+}
+
+// Close waits for batches in flight, closes segments and destroys the
+// engine.
+func (e *CgoEngine) Close() error {
+	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		return nil
+	}
+	e.closed = true
+	e.mu.Unlock()
+	e.inflight.Wait()
+	for _, id := range e.segments {
+		C.closeSegment(e.eng, id)
+	}
+	C.destroyTransferEngine(e.eng)
+	return nil
+}
+
+// cptr converts a registered address for C.
+func cptr(addr uint64) unsafe.Pointer {
+	a := uintptr(addr)
+	return *(*unsafe.Pointer)(unsafe.Pointer(&a))
+}
