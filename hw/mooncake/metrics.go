@@ -1,8 +1,9 @@
 package mooncake
 
 import (
+	"errors"
+
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/promauto"
 )
 
 // Label values.
@@ -29,34 +30,57 @@ type metrics struct {
 	rejected *prometheus.CounterVec
 }
 
+// registerCollector registers c on reg, or returns the collector already there:
+// several engines in one process (a P and a D worker in the demo) share
+// the process-wide series instead of panicking.
+func registerCollector[T prometheus.Collector](reg prometheus.Registerer, c T) T {
+	if reg == nil {
+		return c
+	}
+	if err := reg.Register(c); err != nil {
+		var are prometheus.AlreadyRegisteredError
+		if errors.As(err, &are) {
+			if existing, ok := are.ExistingCollector.(T); ok {
+				return existing
+			}
+		}
+		panic(err)
+	}
+	return c
+}
+
 // newMetrics builds the engine's metrics on reg (nil: not registered).
 func newMetrics(reg prometheus.Registerer) *metrics {
-	f := promauto.With(reg)
 	m := &metrics{
-		bytes: f.NewCounterVec(prometheus.CounterOpts{
+		bytes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvflow_transfer_bytes_total",
 			Help: "Bytes moved by the transfer engine, by direction (read/write initiated here, serve_read/serve_write for peers).",
 		}, []string{"direction"}),
-		ops: f.NewCounterVec(prometheus.CounterOpts{
+		ops: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvflow_transfer_ops_total",
 			Help: "Transfer requests completed by the transfer engine, by direction.",
 		}, []string{"direction"}),
-		batch: f.NewHistogramVec(prometheus.HistogramOpts{
+		batch: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "kvflow_transfer_batch_duration_seconds",
 			Help: "Duration of BatchRead/BatchWrite calls, by direction and outcome.",
 			// 100 µs (a small batch on loopback) to ~52 s (a dead peer
 			// at the default timeouts), factor 2.
 			Buckets: prometheus.ExponentialBuckets(100e-6, 2, 20),
 		}, []string{"direction", "outcome"}),
-		conns: f.NewGaugeVec(prometheus.GaugeOpts{
+		conns: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvflow_transfer_connections",
 			Help: "Open data connections, by role (initiator lanes, target sessions).",
 		}, []string{"role"}),
-		rejected: f.NewCounterVec(prometheus.CounterOpts{
+		rejected: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvflow_transfer_rejected_total",
 			Help: "Data requests refused by this engine's server, by reason.",
 		}, []string{"reason"}),
 	}
+	m.bytes = registerCollector(reg, m.bytes)
+	m.ops = registerCollector(reg, m.ops)
+	m.batch = registerCollector(reg, m.batch)
+	m.conns = registerCollector(reg, m.conns)
+	m.rejected = registerCollector(reg, m.rejected)
 	for _, d := range []string{dirRead, dirWrite, dirServeRead, dirServeWrite} {
 		m.bytes.WithLabelValues(d)
 		m.ops.WithLabelValues(d)

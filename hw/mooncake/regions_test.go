@@ -2,7 +2,11 @@ package mooncake
 
 import (
 	"errors"
+	"strings"
 	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
 func TestRegions(t *testing.T) {
@@ -123,5 +127,22 @@ func TestConfigValidate(t *testing.T) {
 	}
 	if n := len(err.(interface{ Unwrap() []error }).Unwrap()); n != 5 {
 		t.Fatalf("%d problems reported: %v", n, err)
+	}
+}
+
+func TestMetricsShared(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	a, b := newMetrics(reg), newMetrics(reg) // two engines, one registry
+	a.ops.WithLabelValues(dirRead).Inc()
+	b.ops.WithLabelValues(dirRead).Inc()
+	if got := testutil.ToFloat64(a.ops.WithLabelValues(dirRead)); got != 2 {
+		t.Fatalf("shared counter = %v", got)
+	}
+	n, err := testutil.GatherAndCount(reg)
+	if err != nil || n == 0 {
+		t.Fatalf("gather: %d %v", n, err)
+	}
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(""), "kvflow_transfer_rejected_total"); err == nil {
+		t.Fatal("rejected counter not exported with zero-initialised reasons")
 	}
 }
