@@ -1,0 +1,102 @@
+// Package tracker is the prefill side's bookkeeping of which requests wait
+// for DONE before their KV blocks may be freed: the seed's
+// KVCacheTaskTracker (vllm-ascend mooncake_connector.py, as used by
+// KVCacheSendingThread and the worker), made bounded and exact.
+//
+// For every request in the scheduler's requests_to_send, the worker asks
+// the rank choice (plan.PrefillMustWait / plan.PrefillExpectedDones) whether
+// this rank is read by a decode rank: if so it calls AddDelayed with the
+// expected DONE count, otherwise AddNotTransfer. The side channel calls
+// Done for every DONE_RECVING it receives. Once per engine step the worker
+// calls Finished and hands the ids to the engine, which frees their blocks.
+// The transfer engine asks IsHeld / Held before serving a read, so it
+// serves only blocks of requests still awaiting send, and refuses reads of
+// a request once it is freed (DONE, abort, force-free), even before the
+// engine has been told.
+//
+// # API
+//
+//	New(Options{AbortTimeout, MaxRecords, EarlyDoneQuorum}) *Tracker
+//	(Options).Validate() error
+//	(*Tracker).AddNotTransfer(id string)
+//	(*Tracker).AddDelayed(id string, start time.Time, expectedDones int, blockIDs []int) (gen uint64)
+//	(*Tracker).Done(id string, now time.Time) (DoneResult, error)   // ErrAlreadyFinished
+//	(*Tracker).Abort(id string) bool
+//	(*Tracker).Finished(now time.Time) []Freed                      // Freed{ID, Reason}
+//	(*Tracker).IsHeld(id string, gen uint64) bool
+//	(*Tracker).Held(id string) (gen uint64, blocks []int, ok bool)
+//	(*Tracker).Stats() Stats
+//	(*Tracker).Len() int
+//	(*Tracker).Options() Options
+//
+// Reason is done, not_transfer, expired or aborted (String gives the metric
+// label; Reasons lists them). DoneResult.Status is DoneFreed (last expected
+// DONE), DoneWaiting (Remaining more), DoneEarly (no delayed record yet) or
+// DoneDuplicate (with ErrAlreadyFinished).
+//
+// # Contract (the seed's semantics)
+//
+//   - AddNotTransfer: reported by the next Finished.
+//   - AddDelayed: held until its DONEs; a second AddDelayed of a held
+//     request refreshes its start in place (the OrderedDict assignment:
+//     same position, same generation).
+//   - Done of a held request frees it (the last of its expected DONEs).
+//   - Done of a request not held yet is an early DONE: as in the seed it is
+//     reported by the next Finished (with Options.EarlyDoneQuorum = 1, the
+//     default) and kept, so the later AddDelayed finds it satisfied and
+//     holds nothing.
+//   - Finished(now) returns the requests freed since the last call (in the
+//     order they were freed), then force-frees held requests with
+//     now - start > AbortTimeout (strict), scanning from the oldest
+//     insertion and stopping at the first unexpired one, so a refreshed
+//     start holds back those behind it exactly as in the seed. Each request
+//     is reported once.
+//   - AbortTimeout is vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT (480 s).
+//
+// Every case and step of testdata/seedref/task_tracker.json is checked:
+// a transcription of the seed reproduces each result and state; the
+// Tracker equals that transcription with the rules below applied, and
+// every step where it differs from the vector follows a rule firing in its
+// case.
+//
+// # Deviations (decided by rules on the inputs)
+//
+//  1. Once (§5b.9). An operation on a request that is already finished
+//     (freed and still remembered) changes nothing: AddDelayed does not
+//     re-arm it (the seed re-arms it after a DONE, or after a not-transfer
+//     or a force-free, and reports it a second time at expiry), Done
+//     returns ErrAlreadyFinished (the seed reports it again and leaves a
+//     record_finished_requests entry behind) and AddNotTransfer is ignored
+//     (the seed reports it again). AddDelayed still consumes an early-DONE
+//     record, as in the seed.
+//  2. AddNotTransfer of a held request frees it at once (reason
+//     not_transfer) and ends its read grant; the seed reports it but keeps
+//     its delayed entry, to report it again when that expires.
+//  3. Bounded (§5b.6). Early-DONE records and finished requests are
+//     remembered for AbortTimeout (early DONEs from the Done's now,
+//     finished requests from the Finished that reported them) and at most
+//     MaxRecords of them, oldest first; the seed's record_finished_requests
+//     grows forever. A record still awaiting its report is never forgotten.
+//     Records are forgotten at Finished (age) and on insertion (count).
+//  4. Several DONEs (§5b.5). AddDelayed takes the expected DONE count; the
+//     request is freed by the last one, or at the abort timeout; the seed
+//     frees on the first. Early DONEs count toward it. Because the seed
+//     reports an early DONE at once, a request whose first DONE arrives
+//     before its AddDelayed is freed by it unless EarlyDoneQuorum is raised
+//     to the deployment's DONE count (Stats.EarlyShort counts the requests
+//     freed that way with fewer DONEs than AddDelayed later expected).
+//
+// Limitation: a request forgotten under rule 3 is new to the tracker; an
+// operation on it after that (a DONE more than AbortTimeout late, or beyond
+// MaxRecords) behaves as for an unknown request (for a DONE: an early DONE,
+// reported again). The tracker cannot tell an early DONE from a DONE for a
+// request it never heard of, so there is no "unknown" error: both are
+// DoneEarly, as in the seed.
+//
+// # Never
+//
+// No goroutines, no clocks (every time is a parameter), no I/O, no logging,
+// no metrics registration (Stats feeds the caller's metrics), no global
+// state. All methods are safe for concurrent use (one mutex); none blocks
+// on anything but that mutex. Returned slices are the caller's.
+package tracker

@@ -1,0 +1,545 @@
+package tracker
+
+import (
+	"container/list"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// DefaultAbortTimeout is vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default
+// (480 s), the seed's force-free delay.
+const DefaultAbortTimeout = 480 * time.Second
+
+// DefaultMaxRecords bounds the remembered early-DONE and finished records.
+// 480 s at 100 requests/s per prefill worker is 48 000 requests: 65 536
+// keeps every record for a full abort timeout at that rate (about 100 bytes
+// each, so ~7 MiB), and evicts the oldest beyond it.
+const DefaultMaxRecords = 1 << 16
+
+// ErrAlreadyFinished is returned by Done for a request the tracker has
+// already freed (DONE after DONE, after a force-free, an abort or a
+// not-transfer). Nothing is freed and nothing is reported.
+var ErrAlreadyFinished = errors.New("tracker: request already finished")
+
+// Options configure a Tracker. The zero value is usable.
+type Options struct {
+	// AbortTimeout is how long a delayed request may wait for its DONEs
+	// before it is force-freed (strictly: now - start > AbortTimeout), and
+	// how long early-DONE and finished records are remembered. 0 selects
+	// DefaultAbortTimeout; a negative value selects a timeout of zero (vLLM's
+	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT=0).
+	AbortTimeout time.Duration
+	// MaxRecords bounds the remembered early-DONE and finished records
+	// (oldest evicted first). 0 selects DefaultMaxRecords.
+	MaxRecords int
+	// EarlyDoneQuorum is how many DONEs a request the tracker does not yet
+	// hold needs before it is reported freed. 0 selects 1, the seed's rule
+	// (a DONE before the delayed-free record frees at once). A deployment
+	// where every request expects N DONEs (§5b.5) sets N so that early
+	// DONEs cannot free a request before all of them arrived.
+	EarlyDoneQuorum int
+}
+
+// Validate reports every invalid field (errors.Join).
+func (o Options) Validate() error {
+	var errs []error
+	if o.MaxRecords < 0 {
+		errs = append(errs, fmt.Errorf("tracker: MaxRecords %d < 0", o.MaxRecords))
+	}
+	if o.EarlyDoneQuorum < 0 {
+		errs = append(errs, fmt.Errorf("tracker: EarlyDoneQuorum %d < 0", o.EarlyDoneQuorum))
+	}
+	return errors.Join(errs...)
+}
+
+func (o Options) normalized() Options {
+	switch {
+	case o.AbortTimeout == 0:
+		o.AbortTimeout = DefaultAbortTimeout
+	case o.AbortTimeout < 0:
+		o.AbortTimeout = 0
+	}
+	if o.MaxRecords <= 0 {
+		o.MaxRecords = DefaultMaxRecords
+	}
+	if o.EarlyDoneQuorum <= 0 {
+		o.EarlyDoneQuorum = 1
+	}
+	return o
+}
+
+// Reason says why a request was freed.
+type Reason uint8
+
+const (
+	// ReasonDone: all expected DONEs arrived (or the early-DONE quorum).
+	ReasonDone Reason = iota + 1
+	// ReasonNotTransfer: this rank never waited for a DONE.
+	ReasonNotTransfer
+	// ReasonExpired: force-freed after AbortTimeout without its DONEs.
+	ReasonExpired
+	// ReasonAborted: freed by Abort.
+	ReasonAborted
+)
+
+var reasonNames = [...]string{"unknown", "done", "not_transfer", "expired", "aborted"}
+
+// String returns the metric label value: done, not_transfer, expired,
+// aborted.
+func (r Reason) String() string {
+	if int(r) < len(reasonNames) {
+		return reasonNames[r]
+	}
+	return "unknown"
+}
+
+// Reasons lists every Reason, for initialising metric labels to zero.
+var Reasons = []Reason{ReasonDone, ReasonNotTransfer, ReasonExpired, ReasonAborted}
+
+// Freed is one request reported by Finished.
+type Freed struct {
+	ID     string
+	Reason Reason
+}
+
+// DoneStatus says what a DONE did.
+type DoneStatus uint8
+
+const (
+	// DoneFreed: the last expected DONE of a held request; it is freed and
+	// reported by the next Finished.
+	DoneFreed DoneStatus = iota + 1
+	// DoneWaiting: counted; DoneResult.Remaining more are expected.
+	DoneWaiting
+	// DoneEarly: the tracker does not hold the request (yet): the DONE is
+	// kept as an early DONE. DoneResult.Reported says whether the request
+	// reached the early quorum and is (or was) reported freed.
+	DoneEarly
+	// DoneDuplicate: the request is already finished; nothing changed
+	// (returned with ErrAlreadyFinished).
+	DoneDuplicate
+)
+
+var doneNames = [...]string{"unknown", "freed", "waiting", "early", "duplicate"}
+
+func (s DoneStatus) String() string {
+	if int(s) < len(doneNames) {
+		return doneNames[s]
+	}
+	return "unknown"
+}
+
+// DoneResult is what Done did.
+type DoneResult struct {
+	Status DoneStatus
+	// Remaining DONEs still expected (DoneWaiting only).
+	Remaining int
+	// Gen is the hold's generation (DoneFreed, DoneWaiting).
+	Gen uint64
+	// Early is the number of early DONEs recorded (DoneEarly only).
+	Early int
+	// Reported: the early DONEs reached the quorum, so the request is
+	// reported freed (DoneEarly only).
+	Reported bool
+}
+
+// Stats are the tracker's counters and sizes, for metrics.
+type Stats struct {
+	Held    int // requests awaiting DONE
+	Pending int // freed, not yet reported by Finished
+	Records int // remembered early-DONE and finished records
+
+	Delayed        uint64 // AddDelayed calls that started a hold
+	Refreshed      uint64 // AddDelayed on a held request (start refreshed, as the seed)
+	Absorbed       uint64 // AddDelayed satisfied or shortened by early DONEs
+	EarlyShort     uint64 // AddDelayed expecting more DONEs than the early ones that already freed it
+	DupAdds        uint64 // AddDelayed / AddNotTransfer on a finished request, ignored (§5b.9)
+	Dones          uint64 // DONEs counted toward a held request
+	EarlyDones     uint64 // DONEs recorded before the delayed-free record
+	DupDones       uint64 // DONEs for finished requests (ErrAlreadyFinished)
+	RecordsAged    uint64 // records forgotten after AbortTimeout
+	RecordsEvicted uint64 // records evicted by MaxRecords
+
+	// Freed counts reported requests by reason (index by Reason).
+	Freed [ReasonAborted + 1]uint64
+}
+
+// Forced is the number of force-freed (expired) requests.
+func (s Stats) Forced() uint64 { return s.Freed[ReasonExpired] }
+
+type state uint8
+
+const (
+	stHeld  state = iota + 1 // awaiting DONEs; in t.held
+	stEarly                  // early DONEs, no delayed record yet; in t.mem
+	stGone                   // freed; in t.mem once reported
+)
+
+type entry struct {
+	id    string
+	st    state
+	start time.Time // stHeld: delay start
+	stamp time.Time // in t.mem: when remembered
+	gen   uint64
+	// blocks of a held request (never mutated after being stored).
+	blocks   []int
+	expected int // stHeld: DONEs expected in total
+	received int // DONEs received (early ones included)
+	reported bool
+	el       *list.Element // in t.held (stHeld) or t.mem; nil when pending only
+}
+
+// Tracker is the prefill side's record of which requests wait for DONE.
+// All methods are safe for concurrent use.
+type Tracker struct {
+	mu   sync.Mutex
+	opts Options
+	gen  uint64
+
+	byID map[string]*entry
+	held *list.List // *entry, stHeld, in insertion order (the seed's OrderedDict)
+	mem  *list.List // *entry, stEarly and reported stGone, oldest first
+
+	// pending is the seed's finished_requests: freed, not yet reported.
+	pending    []Freed
+	pendingSet map[string]struct{}
+	lastStamp  time.Time
+
+	st Stats
+}
+
+// New returns an empty Tracker. Zero fields of opts select their defaults;
+// negative MaxRecords or EarlyDoneQuorum also select the default (see
+// Options.Validate to reject them instead).
+func New(opts Options) *Tracker {
+	return &Tracker{
+		opts:       opts.normalized(),
+		byID:       make(map[string]*entry),
+		held:       list.New(),
+		mem:        list.New(),
+		pendingSet: make(map[string]struct{}),
+	}
+}
+
+// Options returns the effective options (defaults applied).
+func (t *Tracker) Options() Options { return t.opts }
+
+// AddNotTransfer records that this rank does not wait for a DONE for id
+// (the seed's add_not_transfer_request): id is reported by the next
+// Finished. If id is held it is freed at once (its read grant ends); if it
+// is already finished the call is ignored.
+func (t *Tracker) AddNotTransfer(id string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.byID[id]
+	switch {
+	case e == nil:
+		e = &entry{id: id, st: stGone}
+		t.byID[id] = e
+		t.free(e, ReasonNotTransfer)
+	case e.st == stHeld:
+		t.held.Remove(e.el)
+		e.el = nil
+		t.goneAfterHold(e)
+		t.free(e, ReasonNotTransfer)
+	case e.st == stEarly && !e.reported:
+		t.mem.Remove(e.el)
+		e.el = nil
+		e.st = stGone
+		t.free(e, ReasonNotTransfer)
+	default:
+		t.st.DupAdds++
+	}
+}
+
+// AddDelayed records that id waits for expectedDones DONEs (values < 1 mean
+// 1) before its blocks may be freed, counting its abort timeout from start
+// (the seed's add_delayed_request). blockIDs are the blocks a read grant may
+// serve; they are copied.
+//
+// It returns the hold's generation, never 0, when id is held afterwards,
+// and 0 when it is not: early DONEs already satisfied it, or it is already
+// finished (§5b.9: never re-armed). A second AddDelayed for a held request
+// refreshes its start in place (the seed's OrderedDict assignment), keeps
+// its generation and position, replaces blockIDs when non-nil and raises
+// the expected count if larger.
+func (t *Tracker) AddDelayed(id string, start time.Time, expectedDones int, blockIDs []int) uint64 {
+	if expectedDones < 1 {
+		expectedDones = 1
+	}
+	var blocks []int
+	if blockIDs != nil {
+		blocks = append(make([]int, 0, len(blockIDs)), blockIDs...)
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.byID[id]
+	switch {
+	case e == nil:
+		e = &entry{id: id}
+		t.byID[id] = e
+		t.arm(e, start, expectedDones, blocks)
+		return e.gen
+	case e.st == stHeld:
+		t.st.Refreshed++
+		e.start = start
+		if blocks != nil {
+			e.blocks = blocks
+		}
+		if expectedDones > e.expected {
+			e.expected = expectedDones
+		}
+		return e.gen
+	case e.st == stEarly:
+		t.st.Absorbed++
+		if e.reported {
+			// The seed's record_finished_requests.discard: already
+			// reported freed; it stays remembered (same stamp, same
+			// place) as finished, so a further AddDelayed is ignored.
+			if expectedDones > e.received {
+				t.st.EarlyShort++
+			}
+			e.st = stGone
+			return 0
+		}
+		t.mem.Remove(e.el)
+		e.el = nil
+		if e.received >= expectedDones {
+			e.st = stGone
+			t.free(e, ReasonDone)
+			return 0
+		}
+		t.arm(e, start, expectedDones, blocks)
+		return e.gen
+	default: // stGone
+		t.st.DupAdds++
+		return 0
+	}
+}
+
+// Done records one DONE for id at now (the seed's update_done_task_count).
+//
+// A held request counts it, and is freed by its last expected DONE. A
+// request the tracker does not hold is kept as an early DONE and, as in the
+// seed, reported freed once Options.EarlyDoneQuorum early DONEs arrived (1
+// by default); a later AddDelayed then finds it satisfied. A DONE for a
+// finished request changes nothing and returns ErrAlreadyFinished.
+func (t *Tracker) Done(id string, now time.Time) (DoneResult, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.byID[id]
+	switch {
+	case e == nil:
+		e = &entry{id: id, st: stEarly}
+		t.byID[id] = e
+		t.st.EarlyDones++
+		t.early(e, now)
+		return DoneResult{Status: DoneEarly, Early: e.received, Reported: e.reported}, nil
+	case e.st == stHeld:
+		t.st.Dones++
+		e.received++
+		if e.received < e.expected {
+			return DoneResult{Status: DoneWaiting, Remaining: e.expected - e.received, Gen: e.gen}, nil
+		}
+		t.held.Remove(e.el)
+		e.el = nil
+		t.goneAfterHold(e)
+		t.free(e, ReasonDone)
+		return DoneResult{Status: DoneFreed, Gen: e.gen}, nil
+	case e.st == stEarly:
+		t.st.EarlyDones++
+		e.received++
+		if !e.reported && e.received >= t.opts.EarlyDoneQuorum {
+			e.reported = true
+			t.queue(e.id, ReasonDone)
+		}
+		return DoneResult{Status: DoneEarly, Early: e.received, Reported: e.reported}, nil
+	default:
+		t.st.DupDones++
+		return DoneResult{Status: DoneDuplicate}, fmt.Errorf("done %q: %w", id, ErrAlreadyFinished)
+	}
+}
+
+// Abort frees a held request at once (reason aborted) and reports whether
+// it was held.
+func (t *Tracker) Abort(id string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.byID[id]
+	if e == nil || e.st != stHeld {
+		return false
+	}
+	t.held.Remove(e.el)
+	e.el = nil
+	t.goneAfterHold(e)
+	t.free(e, ReasonAborted)
+	return true
+}
+
+// Finished returns and clears the requests freed since the last call, then
+// force-frees the held requests whose abort timeout passed at now (strictly
+// now - start > AbortTimeout), scanning from the oldest insertion and
+// stopping at the first unexpired one, exactly as the seed's
+// get_and_clear_finished_requests. Each request appears once, in the order
+// it was freed (expired ones last). Finally it forgets records older than
+// AbortTimeout and beyond MaxRecords.
+func (t *Tracker) Finished(now time.Time) []Freed {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := t.pending
+	t.pending = nil
+	clear(t.pendingSet)
+	for el := t.held.Front(); el != nil; {
+		e := el.Value.(*entry)
+		if now.Sub(e.start) <= t.opts.AbortTimeout {
+			break
+		}
+		next := el.Next()
+		t.held.Remove(el)
+		e.el = nil
+		t.goneAfterHold(e)
+		out = append(out, Freed{ID: e.id, Reason: ReasonExpired})
+		el = next
+	}
+	for _, f := range out {
+		t.st.Freed[f.Reason]++
+		if e := t.byID[f.ID]; e != nil && e.el == nil && e.st == stGone {
+			t.stampAt(e, now)
+		}
+	}
+	t.forget(now)
+	return out
+}
+
+// IsHeld reports whether id is held (awaiting DONE) under generation gen:
+// a read grant for id's blocks is valid only while this is true.
+func (t *Tracker) IsHeld(id string, gen uint64) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.byID[id]
+	return e != nil && e.st == stHeld && e.gen == gen && gen != 0
+}
+
+// Held returns the generation and a copy of the blocks of a held request.
+func (t *Tracker) Held(id string) (gen uint64, blocks []int, ok bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.byID[id]
+	if e == nil || e.st != stHeld {
+		return 0, nil, false
+	}
+	if e.blocks != nil {
+		blocks = append(make([]int, 0, len(e.blocks)), e.blocks...)
+	}
+	return e.gen, blocks, true
+}
+
+// Len returns the number of held requests (awaiting DONE).
+func (t *Tracker) Len() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.held.Len()
+}
+
+// Stats returns a snapshot of the counters.
+func (t *Tracker) Stats() Stats {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	s := t.st
+	s.Held = t.held.Len()
+	s.Pending = len(t.pending)
+	s.Records = t.mem.Len()
+	return s
+}
+
+// --- internals; t.mu held ---
+
+func (t *Tracker) arm(e *entry, start time.Time, expected int, blocks []int) {
+	t.gen++
+	t.st.Delayed++
+	e.st = stHeld
+	e.gen = t.gen
+	e.start = start
+	e.expected = expected
+	e.blocks = blocks
+	e.el = t.held.PushBack(e)
+}
+
+func (t *Tracker) goneAfterHold(e *entry) {
+	e.st = stGone
+	e.blocks = nil
+}
+
+// free queues e (already stGone, in no list) for the next Finished.
+func (t *Tracker) free(e *entry, r Reason) {
+	e.reported = true
+	t.queue(e.id, r)
+}
+
+func (t *Tracker) queue(id string, r Reason) {
+	if _, dup := t.pendingSet[id]; dup {
+		return
+	}
+	t.pendingSet[id] = struct{}{}
+	t.pending = append(t.pending, Freed{ID: id, Reason: r})
+}
+
+// early records a first early DONE at now.
+func (t *Tracker) early(e *entry, now time.Time) {
+	e.received = 1
+	t.stampAt(e, now)
+	if t.opts.EarlyDoneQuorum <= 1 {
+		e.reported = true
+		t.queue(e.id, ReasonDone)
+	}
+	t.evict()
+}
+
+// stampAt appends e to t.mem. Stamps are clamped to be non-decreasing so
+// the oldest-first scan in forget is exact.
+func (t *Tracker) stampAt(e *entry, now time.Time) {
+	if now.Before(t.lastStamp) {
+		now = t.lastStamp
+	}
+	t.lastStamp = now
+	e.stamp = now
+	e.el = t.mem.PushBack(e)
+}
+
+func (t *Tracker) forget(now time.Time) {
+	for el := t.mem.Front(); el != nil; el = t.mem.Front() {
+		e := el.Value.(*entry)
+		if now.Sub(e.stamp) <= t.opts.AbortTimeout {
+			break
+		}
+		t.drop(e)
+		t.st.RecordsAged++
+	}
+	t.evict()
+}
+
+// evict drops the oldest records beyond MaxRecords. A record still awaiting
+// its report is not forgotten (a later AddDelayed would hold blocks the
+// engine is about to free): it leaves t.mem as a plain finished entry and
+// is remembered again when Finished reports it.
+func (t *Tracker) evict() {
+	for t.mem.Len() > t.opts.MaxRecords {
+		e := t.mem.Front().Value.(*entry)
+		t.st.RecordsEvicted++
+		if _, pending := t.pendingSet[e.id]; pending {
+			t.mem.Remove(e.el)
+			e.el = nil
+			e.st = stGone
+			continue
+		}
+		t.drop(e)
+	}
+}
+
+func (t *Tracker) drop(e *entry) {
+	t.mem.Remove(e.el)
+	e.el = nil
+	delete(t.byID, e.id)
+}

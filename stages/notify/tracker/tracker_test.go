@@ -1,0 +1,341 @@
+package tracker
+
+import (
+	"errors"
+	"reflect"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+// op is one scripted call for the table-driven tests.
+type op struct {
+	kind   string // nt, delay, done, abort, fin
+	id     string
+	t      float64 // start (delay) or now (done, fin)
+	n      int     // expected DONEs (delay)
+	blocks []int
+
+	// expectations
+	gen    bool       // delay: held afterwards
+	status DoneStatus // done
+	err    error      // done
+	rem    int        // done: Remaining
+	freed  []Freed    // fin (exact, in order)
+	ok     bool       // abort
+}
+
+func runScript(t *testing.T, tr *Tracker, ops []op) {
+	t.Helper()
+	for i, o := range ops {
+		switch o.kind {
+		case "nt":
+			tr.AddNotTransfer(o.id)
+		case "delay":
+			g := tr.AddDelayed(o.id, at(o.t), o.n, o.blocks)
+			if (g != 0) != o.gen {
+				t.Fatalf("op %d delay %s: gen %d, want held=%v", i, o.id, g, o.gen)
+			}
+			if g != 0 && !tr.IsHeld(o.id, g) {
+				t.Fatalf("op %d: IsHeld(%s, %d) false", i, o.id, g)
+			}
+		case "done":
+			r, err := tr.Done(o.id, at(o.t))
+			if r.Status != o.status || !errors.Is(err, o.err) || (o.err == nil && err != nil) || r.Remaining != o.rem {
+				t.Fatalf("op %d done %s: %+v, %v; want %v rem %d, %v", i, o.id, r, err, o.status, o.rem, o.err)
+			}
+		case "abort":
+			if got := tr.Abort(o.id); got != o.ok {
+				t.Fatalf("op %d abort %s: %v", i, o.id, got)
+			}
+		case "fin":
+			got := tr.Finished(at(o.t))
+			if len(got) == 0 && len(o.freed) == 0 {
+				continue
+			}
+			if !reflect.DeepEqual(got, o.freed) {
+				t.Fatalf("op %d fin %v: %v, want %v", i, o.t, got, o.freed)
+			}
+		default:
+			t.Fatalf("bad op %q", o.kind)
+		}
+	}
+}
+
+func fr(id string, r Reason) Freed { return Freed{ID: id, Reason: r} }
+
+func TestScripts(t *testing.T) {
+	tests := []struct {
+		name string
+		opts Options
+		ops  []op
+	}{
+		{"delayed then done", Options{AbortTimeout: 10 * time.Second}, []op{
+			{kind: "delay", id: "a", n: 1, gen: true},
+			{kind: "done", id: "a", t: 1, status: DoneFreed},
+			{kind: "fin", t: 1, freed: []Freed{fr("a", ReasonDone)}},
+			{kind: "fin", t: 100},
+		}},
+		{"not transfer", Options{}, []op{
+			{kind: "nt", id: "a"},
+			{kind: "nt", id: "a"},
+			{kind: "fin", t: 0, freed: []Freed{fr("a", ReasonNotTransfer)}},
+			{kind: "fin", t: 0},
+		}},
+		{"expiry is strict and head-of-line", Options{AbortTimeout: 5 * time.Second}, []op{
+			{kind: "delay", id: "late", t: 10, gen: true},
+			{kind: "delay", id: "early", t: 0, gen: true},
+			{kind: "fin", t: 6},
+			{kind: "fin", t: 15, freed: nil},
+			{kind: "fin", t: 15.5, freed: []Freed{fr("late", ReasonExpired), fr("early", ReasonExpired)}},
+		}},
+		{"§5b.5 N dones", Options{AbortTimeout: 10 * time.Second}, []op{
+			{kind: "delay", id: "a", n: 3, gen: true},
+			{kind: "done", id: "a", status: DoneWaiting, rem: 2},
+			{kind: "fin", t: 1},
+			{kind: "done", id: "a", status: DoneWaiting, rem: 1},
+			{kind: "done", id: "a", status: DoneFreed},
+			{kind: "done", id: "a", status: DoneDuplicate, err: ErrAlreadyFinished},
+			{kind: "fin", t: 2, freed: []Freed{fr("a", ReasonDone)}},
+		}},
+		{"§5b.5 N dones, timeout", Options{AbortTimeout: 10 * time.Second}, []op{
+			{kind: "delay", id: "a", n: 2, gen: true},
+			{kind: "done", id: "a", status: DoneWaiting, rem: 1},
+			{kind: "fin", t: 10.5, freed: []Freed{fr("a", ReasonExpired)}},
+			{kind: "done", id: "a", t: 11, status: DoneDuplicate, err: ErrAlreadyFinished},
+			{kind: "fin", t: 11},
+		}},
+		{"early done (seed): reported, then absorbs the delay", Options{AbortTimeout: 10 * time.Second}, []op{
+			{kind: "done", id: "a", status: DoneEarly},
+			{kind: "fin", t: 1, freed: []Freed{fr("a", ReasonDone)}},
+			{kind: "delay", id: "a", t: 2, n: 1, gen: false},
+			{kind: "delay", id: "a", t: 3, n: 1, gen: false}, // §5b.9: not re-armed
+			{kind: "fin", t: 100},
+		}},
+		{"early quorum (§5b.5 with early DONEs)", Options{AbortTimeout: 10 * time.Second, EarlyDoneQuorum: 2}, []op{
+			{kind: "done", id: "a", status: DoneEarly},
+			{kind: "fin", t: 1},
+			{kind: "delay", id: "a", t: 1, n: 3, gen: true}, // one early DONE counts
+			{kind: "done", id: "a", t: 2, status: DoneWaiting, rem: 1},
+			{kind: "done", id: "a", t: 2, status: DoneFreed},
+			{kind: "fin", t: 2, freed: []Freed{fr("a", ReasonDone)}},
+			{kind: "done", id: "b", t: 2, status: DoneEarly},
+			{kind: "done", id: "b", t: 2, status: DoneEarly}, // quorum reached: reported
+			{kind: "fin", t: 3, freed: []Freed{fr("b", ReasonDone)}},
+			{kind: "delay", id: "b", t: 3, n: 2, gen: false},
+			{kind: "done", id: "c", t: 3, status: DoneEarly},
+			{kind: "delay", id: "c", t: 3, n: 1, gen: false}, // satisfied by the early DONE
+			{kind: "fin", t: 3, freed: []Freed{fr("c", ReasonDone)}},
+		}},
+		{"§5b.9 done then re-add", Options{AbortTimeout: 3 * time.Second}, []op{
+			{kind: "delay", id: "p", t: 0, n: 1, gen: true},
+			{kind: "done", id: "p", status: DoneFreed},
+			{kind: "done", id: "p", status: DoneDuplicate, err: ErrAlreadyFinished},
+			{kind: "fin", t: 0.5, freed: []Freed{fr("p", ReasonDone)}},
+			{kind: "delay", id: "p", t: 1, n: 1, gen: false},
+			{kind: "fin", t: 10},
+		}},
+		{"re-add of a held request refreshes in place", Options{AbortTimeout: 5 * time.Second}, []op{
+			{kind: "delay", id: "x", t: 0, gen: true},
+			{kind: "delay", id: "y", t: 1, gen: true},
+			{kind: "delay", id: "x", t: 50, gen: true},
+			{kind: "fin", t: 20},
+			{kind: "fin", t: 56, freed: []Freed{fr("x", ReasonExpired), fr("y", ReasonExpired)}},
+		}},
+		{"not transfer of a held request frees it once", Options{AbortTimeout: 5 * time.Second}, []op{
+			{kind: "delay", id: "a", t: 0, gen: true},
+			{kind: "nt", id: "a"},
+			{kind: "done", id: "a", status: DoneDuplicate, err: ErrAlreadyFinished},
+			{kind: "fin", t: 1, freed: []Freed{fr("a", ReasonNotTransfer)}},
+			{kind: "fin", t: 100},
+		}},
+		{"abort", Options{AbortTimeout: 5 * time.Second}, []op{
+			{kind: "delay", id: "a", t: 0, gen: true},
+			{kind: "abort", id: "a", ok: true},
+			{kind: "abort", id: "a", ok: false},
+			{kind: "abort", id: "zz", ok: false},
+			{kind: "done", id: "a", status: DoneDuplicate, err: ErrAlreadyFinished},
+			{kind: "fin", t: 1, freed: []Freed{fr("a", ReasonAborted)}},
+		}},
+		{"zero timeout", Options{AbortTimeout: -1}, []op{
+			{kind: "delay", id: "z", t: 1, gen: true},
+			{kind: "fin", t: 1},
+			{kind: "fin", t: 1.25, freed: []Freed{fr("z", ReasonExpired)}},
+		}},
+		{"order: freed order, expired last", Options{AbortTimeout: time.Second}, []op{
+			{kind: "delay", id: "e", t: 0, gen: true},
+			{kind: "delay", id: "d", t: 5, gen: true},
+			{kind: "nt", id: "b"},
+			{kind: "done", id: "d", status: DoneFreed},
+			{kind: "done", id: "a", status: DoneEarly},
+			{kind: "fin", t: 2, freed: []Freed{fr("b", ReasonNotTransfer), fr("d", ReasonDone), fr("a", ReasonDone), fr("e", ReasonExpired)}},
+		}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			runScript(t, New(tc.opts), tc.ops)
+		})
+	}
+}
+
+func TestGenerationsAndGrants(t *testing.T) {
+	tr := New(Options{AbortTimeout: 10 * time.Second})
+	blocks := []int{4, 5, 6}
+	g1 := tr.AddDelayed("a", at(0), 2, blocks)
+	blocks[0] = 99 // the tracker copied them
+	gen, got, ok := tr.Held("a")
+	if !ok || gen != g1 || !slices.Equal(got, []int{4, 5, 6}) {
+		t.Fatalf("Held = %d %v %v", gen, got, ok)
+	}
+	got[1] = -1 // a copy again
+	if _, again, _ := tr.Held("a"); again[1] != 5 {
+		t.Fatal("Held returned internal slice")
+	}
+	if tr.IsHeld("a", g1+1) || tr.IsHeld("a", 0) || tr.IsHeld("b", g1) {
+		t.Fatal("IsHeld accepts a wrong generation or id")
+	}
+	g2 := tr.AddDelayed("b", at(0), 1, nil)
+	if g2 == g1 || g2 == 0 {
+		t.Fatalf("generations %d %d", g1, g2)
+	}
+	// re-add keeps the generation, replaces blocks, raises the count.
+	if g := tr.AddDelayed("a", at(1), 3, []int{7}); g != g1 {
+		t.Fatalf("re-add gen %d, want %d", g, g1)
+	}
+	if _, b, _ := tr.Held("a"); !slices.Equal(b, []int{7}) {
+		t.Fatalf("blocks %v", b)
+	}
+	if r, _ := tr.Done("a", at(2)); r.Status != DoneWaiting || r.Remaining != 2 || r.Gen != g1 {
+		t.Fatalf("done: %+v", r)
+	}
+	if tr.Len() != 2 {
+		t.Fatalf("Len %d", tr.Len())
+	}
+	// force-free revokes the grant at once, before Finished reports it.
+	tr.Abort("a")
+	if tr.IsHeld("a", g1) {
+		t.Fatal("grant survives abort")
+	}
+	if _, _, ok := tr.Held("a"); ok {
+		t.Fatal("Held after abort")
+	}
+	tr.Finished(at(20)) // b expires
+	if tr.IsHeld("b", g2) {
+		t.Fatal("grant survives expiry")
+	}
+	st := tr.Stats()
+	if st.Delayed != 2 || st.Refreshed != 1 || st.Forced() != 1 || st.Freed[ReasonAborted] != 1 || st.Held != 0 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+func TestBoundedRecords(t *testing.T) {
+	t.Run("age", func(t *testing.T) {
+		tr := New(Options{AbortTimeout: 10 * time.Second})
+		for _, id := range []string{"a", "b", "c"} {
+			tr.Done(id, at(0)) // early, never followed by AddDelayed (§5b.6)
+		}
+		tr.Finished(at(1))
+		if st := tr.Stats(); st.Records != 3 {
+			t.Fatalf("records %d", st.Records)
+		}
+		tr.Finished(at(10))
+		if st := tr.Stats(); st.Records != 3 {
+			t.Fatalf("records %d, want kept until strictly older", st.Records)
+		}
+		tr.Finished(at(10.5))
+		if st := tr.Stats(); st.Records != 0 || st.RecordsAged != 3 || len(tr.byID) != 0 {
+			t.Fatalf("records %+v, byID %d", st, len(tr.byID))
+		}
+	})
+	t.Run("count", func(t *testing.T) {
+		tr := New(Options{MaxRecords: 4})
+		for i := range 10 {
+			tr.Done(string(rune('a'+i)), at(float64(i)))
+		}
+		st := tr.Stats()
+		if st.Records != 4 || st.RecordsEvicted != 6 {
+			t.Fatalf("%+v", st)
+		}
+		// the oldest went first; the pending reports are all still there.
+		if got := freedIDs(tr.Finished(at(20))); len(got) != 10 {
+			t.Fatalf("reported %v", got)
+		}
+		if st := tr.Stats(); st.Records != 4 || len(tr.byID) != 4 {
+			t.Fatalf("after report: %+v, byID %d", st, len(tr.byID))
+		}
+		// A record evicted before its report stays a finished entry until
+		// reported: an AddDelayed in between must not hold it.
+		tr2 := New(Options{MaxRecords: 1})
+		tr2.Done("a", at(0))
+		tr2.Done("b", at(0)) // evicts a's record; a is still pending
+		if g := tr2.AddDelayed("a", at(0), 1, nil); g != 0 {
+			t.Fatal("evicted pending record re-armed")
+		}
+		if got := freedIDs(tr2.Finished(at(1))); !slices.Equal(got, []string{"a", "b"}) {
+			t.Fatalf("reported %v", got)
+		}
+	})
+	t.Run("finished requests", func(t *testing.T) {
+		tr := New(Options{AbortTimeout: 10000 * time.Second, MaxRecords: 100})
+		for i := range 1000 {
+			id := string(rune(0x100 + i))
+			tr.AddDelayed(id, at(float64(i)), 1, nil)
+			tr.Done(id, at(float64(i)))
+			tr.Finished(at(float64(i)))
+			if st := tr.Stats(); st.Records > 100 || len(tr.byID) > 101 {
+				t.Fatalf("step %d: %+v, byID %d", i, st, len(tr.byID))
+			}
+		}
+		if tr.Stats().RecordsEvicted == 0 {
+			t.Fatal("MaxRecords never evicted")
+		}
+		tr.Finished(at(1e6))
+		if len(tr.byID) != 0 || tr.mem.Len() != 0 || tr.held.Len() != 0 {
+			t.Fatal("state left after everything aged out")
+		}
+	})
+}
+
+func TestOptions(t *testing.T) {
+	o := New(Options{}).Options()
+	if o.AbortTimeout != DefaultAbortTimeout || o.MaxRecords != DefaultMaxRecords || o.EarlyDoneQuorum != 1 {
+		t.Fatalf("defaults %+v", o)
+	}
+	if o := New(Options{AbortTimeout: -5}).Options(); o.AbortTimeout != 0 {
+		t.Fatalf("negative timeout -> %v", o.AbortTimeout)
+	}
+	if err := (Options{}).Validate(); err != nil {
+		t.Fatal(err)
+	}
+	err := Options{MaxRecords: -1, EarlyDoneQuorum: -2}.Validate()
+	if err == nil || !strings.Contains(err.Error(), "MaxRecords") || !strings.Contains(err.Error(), "EarlyDoneQuorum") {
+		t.Fatalf("Validate: %v", err)
+	}
+}
+
+func TestStrings(t *testing.T) {
+	var names []string
+	for _, r := range Reasons {
+		names = append(names, r.String())
+	}
+	if !slices.Equal(names, []string{"done", "not_transfer", "expired", "aborted"}) {
+		t.Fatal(names)
+	}
+	if Reason(0).String() != "unknown" || Reason(200).String() != "unknown" {
+		t.Fatal("unknown reason")
+	}
+	if DoneFreed.String() != "freed" || DoneDuplicate.String() != "duplicate" || DoneStatus(9).String() != "unknown" {
+		t.Fatal("done status strings")
+	}
+	_, err := New(Options{}).Done("x", at(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := New(Options{})
+	tr.AddNotTransfer("x")
+	if _, err := tr.Done("x", at(0)); !errors.Is(err, ErrAlreadyFinished) || !strings.Contains(err.Error(), `"x"`) {
+		t.Fatalf("err %v", err)
+	}
+}
