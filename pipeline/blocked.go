@@ -13,7 +13,7 @@ import (
 // It reads time.Now (not nanotime) so that tests under testing/synctest see
 // fake time; it is only on the slow path, when a send has to block.
 type blockedClock struct {
-	epoch time.Time
+	epoch    time.Time
 	mu       sync.Mutex
 	acc      time.Duration // finished blocked periods
 	n        int64         // senders blocked now

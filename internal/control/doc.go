@@ -1,0 +1,20 @@
+// Package control is the engine-facing control socket of one kvflow
+// worker: a ZMQ ROUTER (ipc:// by default) speaking msgpack maps, one
+// request and one reply at a time per peer (REQ-style), mirroring the
+// worker API of the seed (start_load_kv / get_finished):
+//
+//	{"op":"load",  "requests":[{request_id, local_block_ids, kv_transfer_params}]}   decode
+//	{"op":"send",  "requests":[{request_id, delay_start_time, block_ids}]}          prefill
+//	{"op":"abort", "request_ids":[...]}
+//	{"op":"finished"} → {done_sending, done_recving, failed_recving:[{request_id, block_ids, reason}]}
+//	{"op":"status"}
+//
+// Every reply is a map with "ok" (bool) and, when not ok, "error". Per-request
+// results of load/send are in "errors" (nil = accepted), index-aligned with
+// the request list. Unknown ops, malformed msgpack and ill-typed fields get
+// an error reply; the server keeps serving. Unknown map keys are ignored so
+// clients can add fields.
+//
+// The codec (Decode/Encode, Dispatch) is pure; the socket is
+// sidechannel.NewRouter's, on the process's one ZMQ context.
+package control

@@ -1,0 +1,237 @@
+package node
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvflow/kvflow/hw/mooncake"
+	"github.com/kvflow/kvflow/hw/npu"
+	"github.com/kvflow/kvflow/internal/config"
+	"github.com/kvflow/kvflow/internal/decode"
+	"github.com/kvflow/kvflow/internal/prefill"
+	"github.com/kvflow/kvflow/internal/sidechannel"
+	"github.com/kvflow/kvflow/stages/plan"
+)
+
+// Deps are what the caller injects.
+type Deps struct {
+	Registerer prometheus.Registerer
+	Logger     *slog.Logger
+	// OnFinish observes decode results (the demo's progress bar).
+	OnFinish func(decode.Result)
+	// BootEpoch is sent in the prefill side's metadata; 0 = unix nanos at
+	// start.
+	BootEpoch uint64
+	// ReadGrants makes a prefill worker's transfer engine serve only the
+	// blocks of requests it holds (off by default: Mooncake peers expect
+	// every registered byte to be readable).
+	ReadGrants bool
+}
+
+// Node is a running worker.
+type Node struct {
+	Config  config.Config
+	Shape   npu.Shape
+	Device  *npu.Host
+	Engine  *mooncake.TCPEngine
+	ZMQ     *sidechannel.Context
+	Client  *sidechannel.Client
+	Server  *sidechannel.Server
+	Decode  *decode.Worker
+	Prefill *prefill.Worker
+
+	deps    Deps
+	closers []func(context.Context) error
+}
+
+// Start opens the cache, the engine, the side channel and the role of a
+// validated configuration.
+func Start(cfg config.Config, deps Deps) (_ *Node, err error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("node: config: %w", err)
+	}
+	if cfg.Node.TEBackend != "" && cfg.Node.TEBackend != config.BackendTCP {
+		return nil, fmt.Errorf("node: node.te_backend %q: this build has only the tcp engine (build with -tags mooncake for the Mooncake binding)", cfg.Node.TEBackend)
+	}
+	if deps.Logger == nil {
+		deps.Logger = slog.New(slog.DiscardHandler)
+	}
+	if deps.Registerer == nil {
+		deps.Registerer = prometheus.NewRegistry()
+	}
+	n := &Node{Config: cfg, deps: deps}
+	defer func() {
+		if err != nil {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			n.Close(ctx)
+		}
+	}()
+	log := deps.Logger.With("role", cfg.Role().String(), "engine_id", cfg.KVTransfer.EngineID, "tp_rank", cfg.Rank.TP, "pp_rank", cfg.Rank.PP)
+
+	shape, err := cfg.Shape()
+	if err != nil {
+		return nil, fmt.Errorf("node: %w", err)
+	}
+	n.Shape = shape
+	layout, err := npu.NewLayout(shape)
+	if err != nil {
+		return nil, fmt.Errorf("node: cache layout: %w", err)
+	}
+	hopts := npu.HostOptions{NoHugePages: cfg.Cache.NoHugePages, RemoveOnClose: cfg.Cache.RemoveOnClose}
+	switch cfg.Cache.Mode {
+	case config.CacheShm:
+		n.Device, err = npu.CreateShm(cfg.CachePath(), layout, hopts)
+	case config.CacheShmAttach:
+		hopts.Expect = &shape
+		n.Device, err = npu.OpenShm(cfg.CachePath(), hopts)
+	default:
+		n.Device, err = npu.NewHost(layout, hopts)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("node: kv cache: %w", err)
+	}
+	n.closers = append(n.closers, func(context.Context) error { return n.Device.Close() })
+
+	tc := mooncake.DefaultTCPConfig()
+	tc.Host = cfg.TEHost()
+	tc.RPCPort = cfg.Node.TEPort
+	tc.ReadGrants = n.deps.ReadGrants && cfg.Role() == config.Prefill
+	n.Engine, err = mooncake.NewTCPEngine(tc, deps.Registerer, log)
+	if err != nil {
+		return nil, fmt.Errorf("node: transfer engine: %w", err)
+	}
+	n.closers = append(n.closers, func(context.Context) error { return n.Engine.Close() })
+	if err := npu.RegisterAll(n.Engine, n.Device); err != nil {
+		return nil, fmt.Errorf("node: register kv cache: %w", err)
+	}
+
+	n.ZMQ, err = sidechannel.NewContext(sidechannel.ContextOptions{Registerer: deps.Registerer, Logger: log})
+	if err != nil {
+		return nil, fmt.Errorf("node: side channel: %w", err)
+	}
+	n.closers = append(n.closers, func(context.Context) error { return n.ZMQ.Close() })
+
+	switch cfg.Role() {
+	case config.Decode:
+		err = n.startDecode(log, layout)
+	case config.Prefill:
+		err = n.startPrefill(log)
+	}
+	if err != nil {
+		return nil, err
+	}
+	log.Info("worker started", "handshake_port", cfg.HandshakePort(), "te_session", n.Engine.SessionID(),
+		"cache_bytes", layout.Size(), "layers", shape.NumLayers, "kv_heads", shape.NumKVHeads, "blocks", shape.NumBlocks)
+	return n, nil
+}
+
+func (n *Node) startDecode(log *slog.Logger, layout npu.Layout) error {
+	cfg := n.Config
+	sc := sidechannel.DefaultClientOptions()
+	sc.AttemptTimeout = cfg.Handshake.Timeout.D()
+	sc.Attempts = cfg.Handshake.Attempts
+	sc.RetryBackoff = cfg.Handshake.RetryBackoff.D()
+	c, err := sidechannel.NewClient(n.ZMQ, sc)
+	if err != nil {
+		return fmt.Errorf("node: side-channel client: %w", err)
+	}
+	n.Client = c
+	n.closers = append(n.closers, func(context.Context) error { return c.Close() })
+	w, err := decode.New(decode.Options{
+		Topology:           cfg.Topology(),
+		Self:               cfg.Self(),
+		LocalEngineID:      cfg.KVTransfer.EngineID,
+		Fetcher:            fetcher{c},
+		Transfer:           transfer{n.Engine},
+		Kernel:             n.Device,
+		Sender:             c,
+		Layout:             CacheLayout(layout),
+		Local:              plan.Caches{Base: n.Device.BaseAddrs(), NumBlocks: n.Shape.NumBlocks},
+		Stages:             stageSizes(cfg.Pipeline),
+		HandshakeCacheSize: cfg.Handshake.CacheSize,
+		HandshakeTimeout:   time.Duration(max(1, cfg.Handshake.Attempts)) * (cfg.Handshake.Timeout.D() + cfg.Handshake.RetryBackoff.D()),
+		NotifyTimeout:      time.Duration(max(1, cfg.Notify.Attempts)) * (cfg.Notify.Timeout.D() + cfg.Notify.RetryBackoff.D()),
+		PerSession:         cfg.Read.PerPeerConcurrency,
+		OnFinish:           n.deps.OnFinish,
+		Registerer:         n.deps.Registerer,
+		Logger:             log,
+	})
+	if err != nil {
+		return fmt.Errorf("node: decode worker: %w", err)
+	}
+	n.Decode = w
+	n.closers = append(n.closers, w.Close)
+	return nil
+}
+
+func (n *Node) startPrefill(log *slog.Logger) error {
+	cfg := n.Config
+	epoch := n.deps.BootEpoch
+	if epoch == 0 {
+		epoch = uint64(time.Now().UnixNano())
+	}
+	var grants prefill.Grants
+	if n.deps.ReadGrants {
+		grants = engineGrants{e: n.Engine, d: n.Device}
+	}
+	w, err := prefill.New(prefill.Options{
+		Topology:     cfg.Topology(),
+		Self:         cfg.Self(),
+		AbortTimeout: cfg.Tracker.AbortRequestTimeout.D(),
+		Grants:       grants,
+		Registerer:   n.deps.Registerer,
+		Logger:       log,
+		Metadata: sidechannel.Metadata{
+			EngineID:         cfg.KVTransfer.EngineID,
+			TERPCPort:        n.Engine.RPCPort(),
+			KVCachesBaseAddr: n.Device.BaseAddrs(),
+			NumBlocks:        n.Shape.NumBlocks,
+			Ext:              sidechannel.Ext{BootEpoch: epoch},
+		},
+	})
+	if err != nil {
+		return fmt.Errorf("node: prefill worker: %w", err)
+	}
+	n.Prefill = w
+	srv, err := sidechannel.NewServer(n.ZMQ, sidechannel.ServerOptions{
+		Addr: net.JoinHostPort(cfg.Node.SideChannelHost, strconv.Itoa(cfg.HandshakePort())),
+	}, w)
+	if err != nil {
+		return fmt.Errorf("node: side-channel server on port %d: %w", cfg.HandshakePort(), err)
+	}
+	n.Server = srv
+	n.closers = append(n.closers, func(context.Context) error { return srv.Close() })
+	return nil
+}
+
+// Close drains the role within ctx, then closes everything in reverse
+// order of opening.
+func (n *Node) Close(ctx context.Context) error {
+	var errs []error
+	for i := len(n.closers) - 1; i >= 0; i-- {
+		if err := n.closers[i](ctx); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	n.closers = nil
+	return errors.Join(errs...)
+}
+
+func stageSizes(p config.Pipeline) decode.StageSizes {
+	w, q := p.Workers, p.Queues
+	return decode.StageSizes{
+		Plan:      decode.StageSize{Workers: w.Plan, Capacity: q.Plan},
+		Handshake: decode.StageSize{Workers: w.Handshake, Capacity: q.Handshake},
+		Read:      decode.StageSize{Workers: w.Read, Capacity: q.Read},
+		Stitch:    decode.StageSize{Workers: w.Stitch, Capacity: q.Stitch},
+		Notify:    decode.StageSize{Workers: w.Notify, Capacity: q.Notify},
+	}
+}

@@ -1,0 +1,234 @@
+package node
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/kvflow/kvflow/internal/config"
+	"github.com/kvflow/kvflow/internal/decode"
+	"github.com/kvflow/kvflow/internal/prefill"
+	"github.com/kvflow/kvflow/internal/verify"
+	"github.com/kvflow/kvflow/stages/plan"
+)
+
+type topo struct {
+	name                 string
+	prefillTP, decodeTP  int
+	prefillPP            int
+	model                config.Model
+	prefixHit, emptyReqs bool
+}
+
+func gqa(layers int) config.Model {
+	return config.Model{NumLayers: layers, NumKVHeads: 8, HeadDim: 16, BlockSize: 16, DType: "bf16", NumBlocks: 48}
+}
+
+func mla() config.Model {
+	return config.Model{NumLayers: 3, NumKVHeads: 1, BlockSize: 16, DType: "bf16", NumBlocks: 48, MLA: true, KVLoraRank: 64, QKRopeHeadDim: 16}
+}
+
+// cluster is one prefill instance and one decode instance on loopback.
+type cluster struct {
+	t       *testing.T
+	prefill []*Node // by DeviceIndex
+	decode  []*Node // by tp rank
+	results chan decode.Result
+	kvPort  int
+}
+
+func baseConfig(tp topo, role string, kvPort int) config.Config {
+	c := config.Default()
+	kv := &c.KVTransfer
+	kv.KVConnectorExtraConfig.Prefill = config.Parallel{TPSize: tp.prefillTP, DPSize: 1, PPSize: max(1, tp.prefillPP)}
+	kv.KVConnectorExtraConfig.Decode = config.Parallel{TPSize: tp.decodeTP, DPSize: 1, PPSize: 1}
+	kv.KVPort = config.Port(kvPort)
+	if role == "prefill" {
+		kv.KVRole, kv.EngineID = config.KVProducer, "P"
+	} else {
+		kv.KVRole, kv.EngineID = config.KVConsumer, "D"
+	}
+	c.Model = tp.model
+	c.Node.MetricsAddr = ""
+	c.Cache.NoHugePages = true
+	c.Handshake.Timeout = config.Duration(500 * time.Millisecond)
+	c.Notify.Timeout = config.Duration(500 * time.Millisecond)
+	return c
+}
+
+func startCluster(t *testing.T, tp topo) *cluster {
+	t.Helper()
+	var lastErr error
+	for attempt := range 8 {
+		kvPort := 20000 + rand.IntN(30000)
+		c, err := tryCluster(t, tp, kvPort)
+		if err == nil {
+			return c
+		}
+		lastErr = err
+		t.Logf("attempt %d on kv_port %d: %v", attempt, kvPort, err)
+	}
+	t.Fatalf("start cluster: %v", lastErr)
+	return nil
+}
+
+func tryCluster(t *testing.T, tp topo, kvPort int) (*cluster, error) {
+	c := &cluster{t: t, kvPort: kvPort, results: make(chan decode.Result, 1024)}
+	closeAll := func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		for _, n := range append(c.decode, c.prefill...) {
+			n.Close(ctx)
+		}
+	}
+	pp := max(1, tp.prefillPP)
+	for p := range pp {
+		for r := range tp.prefillTP {
+			cfg := baseConfig(tp, "prefill", kvPort)
+			cfg.Rank = config.Rank{TP: r, PP: p}
+			n, err := Start(cfg, Deps{})
+			if err != nil {
+				closeAll()
+				return nil, err
+			}
+			c.prefill = append(c.prefill, n)
+		}
+	}
+	for r := range tp.decodeTP {
+		cfg := baseConfig(tp, "decode", kvPort+1000)
+		cfg.Rank = config.Rank{TP: r}
+		n, err := Start(cfg, Deps{OnFinish: func(res decode.Result) { c.results <- res }})
+		if err != nil {
+			closeAll()
+			return nil, err
+		}
+		c.decode = append(c.decode, n)
+	}
+	t.Cleanup(closeAll)
+	return c, nil
+}
+
+func rowBytes(n *Node) []int {
+	l := n.Device.Layout()
+	out := make([]int, l.NumParts())
+	for p := range out {
+		out[p] = l.BlockLen(p) / n.Shape.BlockSize
+	}
+	return out
+}
+
+func TestEndToEnd(t *testing.T) {
+	cases := []topo{
+		{name: "tp1-to-1", prefillTP: 1, decodeTP: 1, model: gqa(4)},
+		{name: "tp4-to-2-stitch", prefillTP: 4, decodeTP: 2, model: gqa(4)},
+		{name: "tp8-to-1-stitch", prefillTP: 8, decodeTP: 1, model: gqa(2)},
+		{name: "pp2-prefill", prefillTP: 2, decodeTP: 2, prefillPP: 2, model: gqa(5)},
+		{name: "mla-tp2-to-1", prefillTP: 2, decodeTP: 1, model: mla()},
+		{name: "prefix-hit", prefillTP: 2, decodeTP: 1, model: gqa(3), prefixHit: true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			c := startCluster(t, tc)
+			const nreq = 6
+			rng := rand.New(rand.NewPCG(uint64(len(tc.name)), 7))
+			type reqInfo struct {
+				id            string
+				local, remote []int
+			}
+			var reqs []reqInfo
+			perm := rng.Perm(48)
+			lperm := rng.Perm(48)
+			for i := range nreq {
+				nb := 1 + rng.IntN(5)
+				ri := reqInfo{id: fmt.Sprintf("%s-req-%d", tc.name, i), remote: perm[i*6 : i*6+nb], local: lperm[i*6 : i*6+nb]}
+				if tc.prefixHit && nb > 1 {
+					ri.local = ri.local[:nb-1] // local prefix hit: pull only the tail
+				}
+				if i == nreq-1 {
+					ri.local, ri.remote = []int{}, []int{} // empty block lists
+				}
+				reqs = append(reqs, ri)
+			}
+			tag := func(id string) uint64 { return plan.StringToInt64Hash(id) }
+			// Prefill: fill the blocks, hand the requests over.
+			for _, p := range c.prefill {
+				for _, r := range reqs {
+					verify.FillBlocks(p.Device, p.Shape.NumLayers, p.Device.Layout().NumParts(), plan.DeviceIndex(p.Config.Topology().Prefill, p.Config.Self()), r.remote, tag(r.id))
+					errs := p.Prefill.Send([]prefill.SendRequest{{RequestID: r.id, BlockIDs: r.remote}})
+					if errs[0] != nil {
+						t.Fatal(errs[0])
+					}
+				}
+			}
+			// Decode: every rank loads every request, as vLLM broadcasts.
+			for _, d := range c.decode {
+				for _, r := range reqs {
+					errs := d.Decode.Load(context.Background(), []decode.LoadRequest{{
+						RequestID: r.id, LocalBlockIDs: r.local,
+						Params: decode.KVTransferParams{RemoteBlockIDs: r.remote, RemoteEngineID: "P",
+							RemoteHost: "127.0.0.1", RemotePort: c.kvPort, RemotePCPSize: 1, RemoteDCPSize: 1},
+					}})
+					if errs[0] != nil {
+						t.Fatal(errs[0])
+					}
+				}
+			}
+			want := nreq * len(c.decode)
+			deadline := time.After(30 * time.Second)
+			for range want {
+				select {
+				case res := <-c.results:
+					if res.Err != nil {
+						t.Errorf("request %s failed: %v", res.RequestID, res.Err)
+					}
+				case <-deadline:
+					t.Fatal("requests did not finish")
+				}
+			}
+			// Every byte against the prefill caches.
+			var dones []string
+			for _, d := range c.decode {
+				done, failed := d.Decode.Finished()
+				if len(failed) != 0 || len(done) != nreq {
+					t.Errorf("decode rank %d: %d done, failures %v", d.Config.Rank.TP, len(done), failed)
+				}
+				dones = append(dones, done...)
+				for _, r := range reqs {
+					pl, err := plan.PlanRequest(d.Config.Topology(), d.Config.Self(), plan.Request{ID: r.id, LocalBlockIDs: r.local,
+						RemoteBlockIDs: r.remote, RemoteHost: "127.0.0.1", RemotePort: c.kvPort, RemoteEngineID: "P", RemotePCPSize: 1, RemoteDCPSize: 1})
+					if err != nil {
+						t.Fatal(err)
+					}
+					bad, err := verify.Check(d.Device, pl, rowBytes(c.prefill[0]), tag(r.id))
+					if bad != 0 {
+						t.Errorf("decode rank %d request %s: %d bad bytes: %v", d.Config.Rank.TP, r.id, bad, err)
+					}
+				}
+			}
+			// Every prefill request is freed exactly once, on every rank.
+			freed := map[string]int{}
+			deadline2 := time.Now().Add(10 * time.Second)
+			for {
+				for _, p := range c.prefill {
+					for _, id := range p.Prefill.Finished() {
+						freed[fmt.Sprintf("%d/%s", plan.DeviceIndex(p.Config.Topology().Prefill, p.Config.Self()), id)]++
+					}
+				}
+				if len(freed) == nreq*len(c.prefill) || time.Now().After(deadline2) {
+					break
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+			if len(freed) != nreq*len(c.prefill) {
+				t.Errorf("prefill freed %d of %d (rank, request) pairs", len(freed), nreq*len(c.prefill))
+			}
+			for k, v := range freed {
+				if v != 1 {
+					t.Errorf("%s freed %d times", k, v)
+				}
+			}
+		})
+	}
+}

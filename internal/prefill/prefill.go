@@ -1,0 +1,231 @@
+package prefill
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvflow/kvflow/internal/sidechannel"
+	"github.com/kvflow/kvflow/stages/notify/tracker"
+	"github.com/kvflow/kvflow/stages/plan"
+)
+
+// Grants opens and closes the transfer engine's read grants for a held
+// request's blocks.
+type Grants interface {
+	Grant(blocks []int) error
+	Revoke(blocks []int) error
+}
+
+// Options configures the worker.
+type Options struct {
+	Topology plan.Topology
+	Self     plan.Rank
+	// Metadata is what GET_META answers.
+	Metadata sidechannel.Metadata
+	// AbortTimeout force-frees a held request never DONE. 480 s: vLLM's
+	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT default.
+	AbortTimeout time.Duration
+	// MaxRecords bounds the tracker's records (early DONEs and held
+	// requests); 0 = the tracker's default.
+	MaxRecords int
+	Grants     Grants
+	Now        func() time.Time
+	Registerer prometheus.Registerer
+	Logger     *slog.Logger
+}
+
+// Worker is one prefill worker's side of the transfer.
+type Worker struct {
+	opts Options
+	log  *slog.Logger
+	tr   *tracker.Tracker
+	now  func() time.Time
+
+	mu     sync.Mutex
+	blocks map[string][]int // granted blocks by request
+
+	sends    *prometheus.CounterVec
+	dones    *prometheus.CounterVec
+	freed    *prometheus.CounterVec
+	heldGage prometheus.GaugeFunc
+}
+
+// New makes the worker.
+func New(o Options) (*Worker, error) {
+	if err := o.Topology.Validate(); err != nil {
+		return nil, fmt.Errorf("prefill: topology: %w", err)
+	}
+	if o.AbortTimeout <= 0 {
+		o.AbortTimeout = 480 * time.Second
+	}
+	if o.Now == nil {
+		o.Now = time.Now
+	}
+	log := o.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	w := &Worker{opts: o, log: log.With("component", "prefill"), now: o.Now, blocks: map[string][]int{},
+		tr: tracker.New(tracker.Options{AbortTimeout: o.AbortTimeout, MaxRecords: o.MaxRecords})}
+	w.sends = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvflow_prefill_requests_total",
+		Help: "Requests handed over for sending, by decision (delayed: waits for DONE; immediate: no decode rank reads this worker).",
+	}, []string{"decision"})
+	w.dones = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvflow_prefill_done_messages_total",
+		Help: "DONE_RECVING messages received, by result.",
+	}, []string{"result"})
+	w.freed = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvflow_prefill_freed_total",
+		Help: "Requests whose blocks were released, by reason (done, not_transfer, expired = force-freed at the abort timeout, aborted).",
+	}, []string{"reason"})
+	w.heldGage = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kvflow_prefill_delayed_requests",
+		Help: "Requests whose blocks are held waiting for DONE.",
+	}, func() float64 { return float64(w.tr.Len()) })
+	if o.Registerer != nil {
+		for _, c := range []prometheus.Collector{w.sends, w.dones, w.freed, w.heldGage} {
+			if err := o.Registerer.Register(c); err != nil {
+				return nil, fmt.Errorf("prefill: register metrics: %w", err)
+			}
+		}
+	}
+	for _, d := range []string{"delayed", "immediate", "rejected"} {
+		w.sends.WithLabelValues(d)
+	}
+	for _, r := range []string{"done", "not_transfer", "expired", "aborted"} {
+		w.freed.WithLabelValues(r)
+	}
+	return w, nil
+}
+
+// Metadata answers GET_META.
+func (w *Worker) Metadata() sidechannel.Metadata { return w.opts.Metadata }
+
+// Send registers requests whose blocks are held for decode. For each, this
+// worker either waits for the expected DONEs (a decode rank reads from it)
+// or reports it finished at once.
+func (w *Worker) Send(reqs []SendRequest) []error {
+	errs := make([]error, len(reqs))
+	for i, r := range reqs {
+		errs[i] = w.send(r)
+	}
+	return errs
+}
+
+func (w *Worker) send(r SendRequest) error {
+	if r.RequestID == "" {
+		w.sends.WithLabelValues("rejected").Inc()
+		return errors.New("send: request_id: empty")
+	}
+	if math.IsNaN(r.DelayStartTime) || math.IsInf(r.DelayStartTime, 0) || r.DelayStartTime < 0 {
+		w.sends.WithLabelValues("rejected").Inc()
+		return fmt.Errorf("send %q: delay_start_time: %v is not a time", r.RequestID, r.DelayStartTime)
+	}
+	for _, b := range r.BlockIDs {
+		if b < 0 || b >= w.opts.Metadata.NumBlocks {
+			w.sends.WithLabelValues("rejected").Inc()
+			return fmt.Errorf("send %q: block_ids: %d out of range [0, %d)", r.RequestID, b, w.opts.Metadata.NumBlocks)
+		}
+	}
+	start := w.now()
+	if r.DelayStartTime > 0 {
+		sec, frac := math.Modf(r.DelayStartTime)
+		start = time.Unix(int64(sec), int64(frac*1e9))
+	}
+	expected, err := plan.PrefillExpectedDones(w.opts.Topology, w.opts.Self, r.RequestID, len(r.BlockIDs))
+	if err != nil {
+		w.sends.WithLabelValues("rejected").Inc()
+		return fmt.Errorf("send %q: %w", r.RequestID, err)
+	}
+	if expected == 0 {
+		w.tr.AddNotTransfer(r.RequestID)
+		w.sends.WithLabelValues("immediate").Inc()
+		return nil
+	}
+	if w.opts.Grants != nil && len(r.BlockIDs) > 0 {
+		w.mu.Lock()
+		_, dup := w.blocks[r.RequestID]
+		w.mu.Unlock()
+		if !dup {
+			if err := w.opts.Grants.Grant(r.BlockIDs); err != nil {
+				w.sends.WithLabelValues("rejected").Inc()
+				return fmt.Errorf("send %q: grant blocks: %w", r.RequestID, err)
+			}
+			w.mu.Lock()
+			w.blocks[r.RequestID] = r.BlockIDs
+			w.mu.Unlock()
+		}
+	}
+	w.tr.AddDelayed(r.RequestID, start, expected, r.BlockIDs)
+	w.sends.WithLabelValues("delayed").Inc()
+	w.log.Debug("request held for decode", "request_id", r.RequestID, "expected_dones", expected, "blocks", len(r.BlockIDs))
+	return nil
+}
+
+// Done handles DONE_RECVING (the side channel's handler). The side channel
+// ACKs whatever it returns; an error is logged and counted there.
+func (w *Worker) Done(reqID string) error {
+	res, err := w.tr.Done(reqID, w.now())
+	if err != nil {
+		w.dones.WithLabelValues(res.Status.String()).Inc()
+		return fmt.Errorf("done %q: %w", reqID, err)
+	}
+	w.dones.WithLabelValues(res.Status.String()).Inc()
+	return nil
+}
+
+// Abort frees requests at once (the engine aborted them). It returns how
+// many were held.
+func (w *Worker) Abort(ids []string) int {
+	n := 0
+	for _, id := range ids {
+		if w.tr.Abort(id) {
+			n++
+		}
+	}
+	return n
+}
+
+// Finished returns, and forgets, the requests whose blocks may be freed:
+// DONE'd, not transferred, force-freed at the abort timeout, aborted.
+func (w *Worker) Finished() []string {
+	freed := w.tr.Finished(w.now())
+	ids := make([]string, 0, len(freed))
+	for _, f := range freed {
+		ids = append(ids, f.ID)
+		w.freed.WithLabelValues(f.Reason.String()).Inc()
+		if f.Reason == tracker.ReasonExpired {
+			w.log.Warn("request force-freed at the abort timeout", "request_id", f.ID, "timeout", w.opts.AbortTimeout)
+		}
+		w.revoke(f.ID)
+	}
+	return ids
+}
+
+func (w *Worker) revoke(id string) {
+	if w.opts.Grants == nil {
+		return
+	}
+	w.mu.Lock()
+	b, ok := w.blocks[id]
+	delete(w.blocks, id)
+	w.mu.Unlock()
+	if ok {
+		if err := w.opts.Grants.Revoke(b); err != nil {
+			w.log.Error("revoke read grants", "request_id", id, "err", err)
+		}
+	}
+}
+
+// Status is a snapshot for the control socket.
+func (w *Worker) Status() map[string]any {
+	return map[string]any{"held": w.tr.Len(), "engine_id": w.opts.Metadata.EngineID,
+		"num_blocks": w.opts.Metadata.NumBlocks, "te_rpc_port": w.opts.Metadata.TERPCPort}
+}
