@@ -1,0 +1,211 @@
+package config
+
+import (
+	"errors"
+	"flag"
+	"io"
+	"strings"
+)
+
+// RegisterFlags binds flags to c's fields, with c's current values as the
+// flags' defaults, so that parsing them overrides what c holds (load the
+// file first). See Parse for handling --config itself.
+func (c *Config) RegisterFlags(fs *flag.FlagSet) {
+	kv := &c.KVTransfer
+	ex := &kv.KVConnectorExtraConfig
+	fs.Var(&kvTransferFlag{kv}, "kv-transfer-config", "vLLM's --kv-transfer-config JSON, verbatim (merged into kv_transfer_config)")
+	fs.Var(&roleFlag{&kv.KVRole}, "role", "worker role: prefill|decode (or kv_producer|kv_consumer) (kv_transfer_config.kv_role)")
+	fs.StringVar(&kv.EngineID, "engine-id", kv.EngineID, "this instance's vLLM engine_id (kv_transfer_config.engine_id)")
+	fs.Var(&kv.KVPort, "kv-port", "base handshake port of the instance (kv_transfer_config.kv_port)")
+	fs.StringVar(&kv.KVConnector, "kv-connector", kv.KVConnector, "kv_transfer_config.kv_connector (informational)")
+	for _, p := range []struct {
+		name string
+		par  *Parallel
+	}{{"prefill", &ex.Prefill}, {"decode", &ex.Decode}} {
+		path := "kv_connector_extra_config." + p.name
+		fs.IntVar(&p.par.TPSize, p.name+"-tp", p.par.TPSize, p.name+" tensor parallel size ("+path+".tp_size)")
+		fs.IntVar(&p.par.DPSize, p.name+"-dp", p.par.DPSize, p.name+" data parallel size ("+path+".dp_size)")
+		fs.IntVar(&p.par.PPSize, p.name+"-pp", p.par.PPSize, p.name+" pipeline parallel size ("+path+".pp_size)")
+		fs.IntVar(&p.par.PCPSize, p.name+"-pcp", p.par.PCPSize, p.name+" prefill context parallel size, 0 = 1 ("+path+".pcp_size)")
+		fs.IntVar(&p.par.DCPSize, p.name+"-dcp", p.par.DCPSize, p.name+" decode context parallel size, 0 = 1 ("+path+".dcp_size)")
+	}
+
+	m := &c.Model
+	fs.IntVar(&m.NumLayers, "layers", m.NumLayers, "model layers, all PP stages (model.num_layers)")
+	fs.IntVar(&m.NumKVHeads, "kv-heads", m.NumKVHeads, "model KV heads, all TP ranks (model.num_kv_heads)")
+	fs.IntVar(&m.HeadDim, "head-dim", m.HeadDim, "GQA head dimension (model.head_dim)")
+	fs.IntVar(&m.BlockSize, "block-size", m.BlockSize, "tokens per cache block (model.block_size)")
+	fs.StringVar(&m.DType, "dtype", m.DType, "cache dtype: bf16|fp16|fp32|int8|fp8 (model.dtype)")
+	fs.IntVar(&m.NumBlocks, "num-blocks", m.NumBlocks, "blocks per cache tensor (model.num_blocks)")
+	fs.BoolVar(&m.MLA, "mla", m.MLA, "MLA model, 2-part cache (model.mla)")
+	fs.IntVar(&m.KVLoraRank, "kv-lora-rank", m.KVLoraRank, "MLA latent width (model.kv_lora_rank)")
+	fs.IntVar(&m.QKRopeHeadDim, "qk-rope-head-dim", m.QKRopeHeadDim, "MLA rope width (model.qk_rope_head_dim)")
+	fs.BoolVar(&m.Sparse, "sparse", m.Sparse, "sparse attention, 3-part cache; needs -mla (model.sparse)")
+	fs.IntVar(&m.IndexerDim, "indexer-dim", m.IndexerDim, "sparse indexer width (model.indexer_dim)")
+	fs.StringVar(&m.PPLayerPartition, "pp-layer-partition", m.PPLayerPartition, "prefill's VLLM_PP_LAYER_PARTITION, e.g. 16,16 (model.pp_layer_partition)")
+
+	r := &c.Rank
+	fs.IntVar(&r.TP, "tp-rank", r.TP, "this worker's tensor parallel rank (rank.tp)")
+	fs.IntVar(&r.PP, "pp-rank", r.PP, "this worker's pipeline parallel rank (rank.pp)")
+	fs.IntVar(&r.DP, "dp-rank", r.DP, "this worker's data parallel rank (rank.dp)")
+	fs.IntVar(&r.PCP, "pcp-rank", r.PCP, "this worker's prefill context parallel rank (rank.pcp)")
+	fs.IntVar(&r.DCP, "dcp-rank", r.DCP, "this worker's decode context parallel rank (rank.dcp)")
+
+	ca := &c.Cache
+	fs.StringVar(&ca.Mode, "cache", ca.Mode, "cache memory: anonymous|shm|shm_attach (cache.mode)")
+	fs.StringVar(&ca.Path, "cache-path", ca.Path, "shared-memory file; empty derives one under /dev/shm (cache.path)")
+	fs.BoolVar(&ca.RemoveOnClose, "cache-remove-on-close", ca.RemoveOnClose, "remove the shm file at exit (cache.remove_on_close)")
+	fs.BoolVar(&ca.NoHugePages, "no-huge-pages", ca.NoHugePages, "skip huge pages (cache.no_huge_pages)")
+
+	n := &c.Node
+	fs.StringVar(&n.SideChannelHost, "side-channel-host", n.SideChannelHost, "side channel bind address, the worker's IP (node.side_channel_host)")
+	fs.StringVar(&n.TEBackend, "te-backend", n.TEBackend, "transfer engine: tcp|mooncake (node.te_backend)")
+	fs.StringVar(&n.TEHost, "te-host", n.TEHost, "transfer engine listen host; empty = side channel host (node.te_host)")
+	fs.IntVar(&n.TEPort, "te-port", n.TEPort, "transfer engine RPC port, 0 = any free (node.te_port)")
+	fs.StringVar(&n.Control, "control", n.Control, "control socket endpoint; empty derives ipc:///tmp/kvflow-... (node.control)")
+	fs.StringVar(&n.MetricsAddr, "metrics-addr", n.MetricsAddr, "host:port of /metrics, /healthz, /readyz; empty = off (node.metrics_addr)")
+
+	for _, s := range []struct {
+		kind  string
+		sizes *StageSizes
+	}{{"workers", &c.Pipeline.Workers}, {"queue", &c.Pipeline.Queues}} {
+		what := "goroutines of"
+		path := "pipeline.workers."
+		if s.kind == "queue" {
+			what, path = "queue capacity in front of", "pipeline.queues."
+		}
+		for _, st := range []struct {
+			name string
+			p    *int
+		}{
+			{"plan", &s.sizes.Plan}, {"handshake", &s.sizes.Handshake}, {"read", &s.sizes.Read},
+			{"stitch", &s.sizes.Stitch}, {"notify", &s.sizes.Notify},
+		} {
+			fs.IntVar(st.p, st.name+"-"+s.kind, *st.p, what+" the "+st.name+" stage ("+path+st.name+")")
+		}
+	}
+
+	fs.Var(&c.Handshake.Timeout, "handshake-timeout", "wait for one GET_META reply (handshake.timeout)")
+	fs.IntVar(&c.Handshake.Attempts, "handshake-attempts", c.Handshake.Attempts, "GET_META tries (handshake.attempts)")
+	fs.Var(&c.Handshake.RetryBackoff, "handshake-retry-backoff", "pause before a GET_META retry (handshake.retry_backoff)")
+	fs.IntVar(&c.Handshake.CacheSize, "handshake-cache-size", c.Handshake.CacheSize, "cached remote metadata entries (handshake.cache_size)")
+	fs.Var(&c.Read.Timeout, "read-timeout", "one task's transfer batch (read.timeout)")
+	fs.IntVar(&c.Read.PerPeerConcurrency, "read-per-peer", c.Read.PerPeerConcurrency, "batches in flight per remote rank (read.per_peer_concurrency)")
+	fs.Var(&c.Notify.Timeout, "notify-timeout", "wait for one DONE_RECVING ACK (notify.timeout)")
+	fs.IntVar(&c.Notify.Attempts, "notify-attempts", c.Notify.Attempts, "DONE_RECVING tries (notify.attempts)")
+	fs.Var(&c.Notify.RetryBackoff, "notify-retry-backoff", "pause before a DONE_RECVING retry (notify.retry_backoff)")
+	fs.Var(&c.Tracker.AbortRequestTimeout, "abort-timeout", "prefill: force-free requests not DONE within this, as VLLM_NIXL_ABORT_REQUEST_TIMEOUT (tracker.abort_request_timeout)")
+	fs.Var(&c.Shutdown.DrainTimeout, "drain-timeout", "shutdown: time to finish accepted requests before canceling (shutdown.drain_timeout)")
+
+	fs.StringVar(&c.Log.Level, "log-level", c.Log.Level, "debug|info|warn|error (log.level)")
+	fs.StringVar(&c.Log.Format, "log-format", c.Log.Format, "auto|text|json (log.format)")
+
+	a := &c.Auth
+	fs.StringVar(&a.Mode, "auth", a.Mode, "side channel authentication: off|curve (auth.mode)")
+	fs.StringVar(&a.SecretKeyFile, "auth-secret-key-file", a.SecretKeyFile, "CURVE secret key file (auth.secret_key_file)")
+	fs.StringVar(&a.PublicKeyFile, "auth-public-key-file", a.PublicKeyFile, "CURVE public key file (auth.public_key_file)")
+	fs.StringVar(&a.ServerPublicKeyFile, "auth-server-public-key-file", a.ServerPublicKeyFile, "decode: prefill servers' CURVE public key file (auth.server_public_key_file)")
+	fs.StringVar(&a.AuthorizedKeysFile, "auth-authorized-keys-file", a.AuthorizedKeysFile, "prefill: allowed client public keys, one per line (auth.authorized_keys_file)")
+}
+
+// ConfigFlag is the name of the flag naming the configuration file.
+const ConfigFlag = "config"
+
+// Parse builds the configuration from command-line arguments: it finds
+// --config (or -config, with = or a separate value) among args, loads that
+// file on top of Default, binds every flag of RegisterFlags (and --config)
+// to fs, and parses args with fs, so flags override the file whatever their
+// order. fs may hold other flags of the caller; they are parsed as usual.
+// fs must not already hold the flags of RegisterFlags (flag would panic on
+// the redefinition). Parse does not call Validate. Errors: the file's problems, or fs.Parse's
+// (flag.ErrHelp for -h).
+func Parse(args []string, fs *flag.FlagSet) (Config, error) {
+	path, err := findConfig(args, fs)
+	if err != nil {
+		return Config{}, err
+	}
+	cfg, err := Load(path)
+	if err != nil {
+		return Config{}, err
+	}
+	if fs.Lookup(ConfigFlag) == nil {
+		fs.String(ConfigFlag, path, "JSON configuration file (flags override its fields)")
+	}
+	cfg.RegisterFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		return Config{}, err
+	}
+	return cfg, nil
+}
+
+// findConfig parses args once with a throw-away flag set that knows every
+// flag (fs's and ours, values discarded) to find --config exactly as fs will
+// read it. If that parse fails the real one reports the same error.
+func findConfig(args []string, fs *flag.FlagSet) (string, error) {
+	scratch := flag.NewFlagSet("scan", flag.ContinueOnError)
+	scratch.SetOutput(io.Discard)
+	var path string
+	fs.VisitAll(func(f *flag.Flag) {
+		if f.Name == ConfigFlag {
+			return
+		}
+		scratch.Var(discard{bool: isBool(f.Value)}, f.Name, "")
+	})
+	var tmp Config
+	tmpFS := flag.NewFlagSet("tmp", flag.ContinueOnError)
+	tmp.RegisterFlags(tmpFS)
+	tmpFS.VisitAll(func(f *flag.Flag) {
+		if scratch.Lookup(f.Name) == nil {
+			scratch.Var(discard{bool: isBool(f.Value)}, f.Name, "")
+		}
+	})
+	scratch.StringVar(&path, ConfigFlag, "", "")
+	if err := scratch.Parse(args); err != nil && !errors.Is(err, flag.ErrHelp) {
+		// Leave the error to fs.Parse, which has the real flags and output.
+		return path, nil
+	}
+	if f := fs.Lookup(ConfigFlag); f != nil && path == "" {
+		path = f.Value.String()
+	}
+	return path, nil
+}
+
+func isBool(v flag.Value) bool {
+	b, ok := v.(interface{ IsBoolFlag() bool })
+	return ok && b.IsBoolFlag()
+}
+
+// discard accepts any value.
+type discard struct{ bool bool }
+
+func (d discard) String() string   { return "" }
+func (d discard) Set(string) error { return nil }
+func (d discard) IsBoolFlag() bool { return d.bool }
+
+// roleFlag sets kv_role from a role name.
+type roleFlag struct{ kvRole *string }
+
+func (f *roleFlag) String() string {
+	if f == nil || f.kvRole == nil {
+		return ""
+	}
+	return *f.kvRole
+}
+
+func (f *roleFlag) Set(s string) error {
+	r, err := ParseRole(strings.TrimSpace(s))
+	if err != nil {
+		return err
+	}
+	*f.kvRole = r.KVRole()
+	return nil
+}
+
+// kvTransferFlag merges a kv_transfer_config JSON object.
+type kvTransferFlag struct{ kv *KVTransferConfig }
+
+func (f *kvTransferFlag) String() string { return "" }
+
+func (f *kvTransferFlag) Set(s string) error {
+	return decodeKVTransfer(f.kv, []byte(s), "--kv-transfer-config")
+}
