@@ -1,6 +1,111 @@
-// Command kvflow moves KV-cache blocks between prefill and decode workers.
+// Command kvflow moves KV-cache blocks from prefill workers to decode
+// workers in disaggregated LLM serving. See README.md.
 package main
 
-import "fmt"
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+)
 
-func main() { fmt.Println("kvflow: not built yet") }
+// Exit codes.
+const (
+	exitOK      = 0
+	exitRuntime = 1
+	exitUsage   = 2
+)
+
+// usageError marks errors that exit with code 2.
+type usageError struct{ err error }
+
+func (u usageError) Error() string { return u.err.Error() }
+func (u usageError) Unwrap() error { return u.err }
+
+func usagef(format string, a ...any) error { return usageError{fmt.Errorf(format, a...)} }
+
+var version = "dev"
+
+type command struct {
+	name, summary string
+	run           func(ctx context.Context, args []string, stdout, stderr io.Writer) error
+}
+
+func commands() []command {
+	return []command{
+		{"serve", "run one prefill or decode worker", runServe},
+		{"demo", "prefill and decode workers on loopback, every byte verified", runDemo},
+		{"plan", "validate a topology and print a request's plan", runPlan},
+		{"probe", "fetch a side channel's metadata, optionally send a DONE", runProbe},
+		{"bench", "benchmarks: te (transfer engine), e2e", runBench},
+		{"version", "print the version", func(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+			fmt.Fprintln(stdout, "kvflow", version)
+			return nil
+		}},
+	}
+}
+
+func usage(w io.Writer) {
+	fmt.Fprintln(w, "usage: kvflow <command> [flags]\n\ncommands:")
+	for _, c := range commands() {
+		fmt.Fprintf(w, "  %-8s %s\n", c.name, c.summary)
+	}
+	fmt.Fprintln(w, "\nRun 'kvflow <command> -h' for a command's flags.")
+}
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		usage(stderr)
+		return exitUsage
+	}
+	if args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
+		usage(stdout)
+		return exitOK
+	}
+	for _, c := range commands() {
+		if c.name != args[0] {
+			continue
+		}
+		err := c.run(ctx, args[1:], stdout, stderr)
+		switch {
+		case err == nil:
+			return exitOK
+		case errors.Is(err, flag.ErrHelp):
+			return exitOK
+		case errors.As(err, new(usageError)):
+			fmt.Fprintf(stderr, "kvflow %s: %v\n", c.name, err)
+			return exitUsage
+		default:
+			fmt.Fprintf(stderr, "kvflow %s: %v\n", c.name, err)
+			return exitRuntime
+		}
+	}
+	fmt.Fprintf(stderr, "kvflow: unknown command %q\n\n", args[0])
+	usage(stderr)
+	return exitUsage
+}
+
+// parseFlags parses fs, turning flag errors into usage errors.
+func parseFlags(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return usageError{err}
+	}
+	if fs.NArg() > 0 {
+		return usagef("unexpected arguments %q", fs.Args())
+	}
+	return nil
+}

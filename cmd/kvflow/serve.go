@@ -1,0 +1,163 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/kvflow/kvflow/internal/config"
+	"github.com/kvflow/kvflow/internal/control"
+	"github.com/kvflow/kvflow/internal/decode"
+	"github.com/kvflow/kvflow/internal/node"
+	"github.com/kvflow/kvflow/internal/prefill"
+)
+
+func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	printConfig := fs.Bool("print-config", false, "print the effective configuration (defaults < file < flags) and exit")
+	cfg, err := config.Parse(args, fs)
+	if err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return usageError{err}
+	}
+	if fs.NArg() > 0 {
+		return usagef("unexpected arguments %q", fs.Args())
+	}
+	if *printConfig {
+		return cfg.Print(stdout)
+	}
+	if err := cfg.Validate(); err != nil {
+		return usageError{fmt.Errorf("invalid configuration:\n%w", err)}
+	}
+	log, err := newLogger(stderr, cfg.Log.Level, cfg.Log.Format)
+	if err != nil {
+		return err
+	}
+	return serve(ctx, cfg, log, stdout)
+}
+
+// serve runs one worker until ctx ends, then shuts it down in two phases.
+func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.Writer) error {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+
+	// The HTTP endpoint first: a port in use is a configuration error
+	// found before anything else is started.
+	var ready atomic.Bool
+	var httpSrv *http.Server
+	var metricsAddr string
+	if cfg.Node.MetricsAddr != "" {
+		ln, err := net.Listen("tcp", cfg.Node.MetricsAddr)
+		if err != nil {
+			return usageError{fmt.Errorf("node.metrics_addr %s: %w", cfg.Node.MetricsAddr, err)}
+		}
+		metricsAddr = ln.Addr().String()
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+		mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok\n") })
+		mux.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) {
+			if !ready.Load() {
+				http.Error(w, "not ready\n", http.StatusServiceUnavailable)
+				return
+			}
+			io.WriteString(w, "ready\n")
+		})
+		httpSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		go httpSrv.Serve(ln)
+		defer httpSrv.Close()
+	}
+
+	n, err := node.Start(cfg, node.Deps{Registerer: reg, Logger: log})
+	if err != nil {
+		return err
+	}
+	ctl, err := control.Serve(ctx, n.ZMQ, cfg.ControlEndpoint(), backend(n))
+	if err != nil {
+		closeCtx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		n.Close(closeCtx)
+		return err
+	}
+	ready.Store(true)
+	// One line on stdout that launchers (the demo, tests) can read.
+	fmt.Fprintf(stdout, "kvflow ready role=%s control=%s handshake_port=%d te_session=%s metrics=%s\n",
+		cfg.Role(), cfg.ControlEndpoint(), cfg.HandshakePort(), n.Engine.SessionID(), metricsAddr)
+	log.Info("serving", "control", cfg.ControlEndpoint(), "metrics", metricsAddr)
+
+	<-ctx.Done()
+	ready.Store(false)
+	drain := cfg.Shutdown.DrainTimeout.D()
+	log.Info("shutting down: draining in-flight requests", "deadline", drain)
+	dctx, cancel := context.WithTimeout(context.Background(), drain)
+	defer cancel()
+	// Phase one and two: the decode pipeline stops intake, drains until the
+	// deadline, then cancels what is left (each such request still ends,
+	// as failed). The control socket keeps answering meanwhile so the
+	// engine can collect the results; it closes with the side channel.
+	var errs []error
+	if n.Decode != nil {
+		if err := n.Decode.Close(dctx); err != nil {
+			log.Warn("drain deadline passed; remaining requests canceled", "err", err)
+		}
+		// Give the engine one poll interval to collect the last results.
+		waitCollected(n.Decode, 2*time.Second)
+	}
+	_ = ctl
+	if err := n.Close(dctx); err != nil {
+		errs = append(errs, err)
+	}
+	log.Info("stopped")
+	return errors.Join(errs...)
+}
+
+func waitCollected(w *decode.Worker, max time.Duration) {
+	deadline := time.Now().Add(max)
+	for time.Now().Before(deadline) {
+		s := w.Status()
+		if s.PendingDone+s.PendingFailed == 0 {
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// backend exposes a node's role on the control socket.
+func backend(n *node.Node) control.Backend {
+	b := control.Backend{Role: n.Config.Role().String()}
+	switch {
+	case n.Decode != nil:
+		w := n.Decode
+		b.Load = w.Load
+		b.Abort = w.Abort
+		b.Finished = func() ([]string, []string, []decode.Failure) {
+			done, failed := w.Finished()
+			return nil, done, failed
+		}
+		b.Status = func() map[string]any {
+			s := w.Status()
+			return map[string]any{"in_flight": s.InFlight, "pending_done": s.PendingDone, "pending_failed": s.PendingFailed,
+				"dropped_results": s.DroppedResults, "cached_peers": s.CachedPeers}
+		}
+	case n.Prefill != nil:
+		w := n.Prefill
+		b.Send = func(reqs []prefill.SendRequest) []error { return w.Send(reqs) }
+		b.Abort = w.Abort
+		b.Finished = func() ([]string, []string, []decode.Failure) { return w.Finished(), nil, nil }
+		b.Status = w.Status
+	}
+	return b
+}
