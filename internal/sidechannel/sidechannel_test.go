@@ -71,6 +71,21 @@ func requests(t *testing.T, e *testEnv, role, op, outcome string) float64 {
 	return metric(t, e, "kvflow_sidechannel_requests_total", map[string]string{"role": role, "op": op, "outcome": outcome})
 }
 
+// serverRequests waits (up to 2 s) for a server-side counter to reach want:
+// the server counts a request after its reply is queued, so the client can
+// see the reply first.
+func serverRequests(t *testing.T, e *testEnv, op, outcome string, want float64) float64 {
+	t.Helper()
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		v := requests(t, e, "server", op, outcome)
+		if v == want || time.Now().After(deadline) {
+			return v
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
 func TestRoundTrip(t *testing.T) {
 	e := newEnv(t)
 	md := testMeta
@@ -101,7 +116,7 @@ func TestRoundTrip(t *testing.T) {
 	if v := requests(t, e, "client", "get_meta", "ok"); v != 3 {
 		t.Errorf("client get_meta ok = %v", v)
 	}
-	if v := requests(t, e, "server", "done", "ok"); v != float64(len(ids)) {
+	if v := serverRequests(t, e, "done", "ok", float64(len(ids))); v != float64(len(ids)) {
 		t.Errorf("server done ok = %v", v)
 	}
 	if v := metric(t, e, "kvflow_sidechannel_request_duration_seconds", map[string]string{"role": "client", "op": "done"}); v != float64(len(ids)) {
@@ -572,7 +587,7 @@ func TestHandlerErrors(t *testing.T) {
 	if _, err := c.GetMeta(ctx, s.Addr()); err != nil {
 		t.Fatalf("server must survive a handler panic: %v", err)
 	}
-	if v := requests(t, e, "server", "done", "handler_error"); v != 2 {
+	if v := serverRequests(t, e, "done", "handler_error", 2); v != 2 {
 		t.Errorf("handler_error %v", v)
 	}
 }
