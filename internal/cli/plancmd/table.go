@@ -1,0 +1,91 @@
+package plancmd
+
+import (
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+)
+
+// writeTable prints rep for operators: a header, then one section per
+// decode rank with its task table.
+func writeTable(w io.Writer, rep *report) error {
+	ew := &errWriter{w: w}
+	tw := tabwriter.NewWriter(ew, 0, 0, 2, ' ', 0)
+	p, d := rep.Prefill, rep.Decode
+	fmt.Fprintf(tw, "request\t%s\n", rep.RequestID)
+	engine := rep.RemoteEngineID
+	if engine == "" {
+		engine = "-"
+	}
+	fmt.Fprintf(tw, "remote\t%s:%d (engine %s, remote pcp %d, dcp %d)\n", rep.RemoteHost, rep.RemotePort, engine, rep.RemotePCP, rep.RemoteDCP)
+	fmt.Fprintf(tw, "blocks\t%d local [%s], %d remote [%s]\n", len(rep.LocalBlockIDs), formatBlocks(rep.LocalBlockIDs), len(rep.RemoteBlockIDs), formatBlocks(rep.RemoteBlockIDs))
+	fmt.Fprintf(tw, "prefill\ttp %d, pp %d, dp %d, pcp %d, dcp %d\n", p.TP, p.PP, p.DP, p.PCP, p.DCP)
+	fmt.Fprintf(tw, "decode\ttp %d, pp %d, dp %d, pcp %d, dcp %d\n", d.TP, d.PP, d.DP, d.PCP, d.DCP)
+	heads := ""
+	if rep.Model.NumKVHeads > 0 {
+		heads = fmt.Sprintf(", %d kv heads", rep.Model.NumKVHeads)
+	}
+	fmt.Fprintf(tw, "model\t%s, %d layers%s, decode block_len %s\n", rep.Model.Kind, rep.Model.NumLayers, heads, ints(rep.Model.BlockLen))
+	fmt.Fprintf(tw, "mode\t%s, tp_num_need_pulls %d, stitch %s\n", rep.Mode, rep.P, yesNo(rep.Stitch))
+	fmt.Fprintf(tw, "total\t%d decode ranks, %d ops, %s\n", len(rep.Ranks), rep.Ops, humanBytes(rep.Bytes))
+	tw.Flush()
+	for _, r := range rep.Ranks {
+		fmt.Fprintf(ew, "\ndecode rank %d (tp %d, pcp %d, dcp %d): remote ranks %s, handshake ports %s, %d tasks, %d ops, %s\n",
+			r.Index, r.TP, r.PCP, r.DCP, ints(r.RemoteRanks), ints(r.HandshakePorts), len(r.Tasks), r.Ops, humanBytes(r.Bytes))
+		tw := tabwriter.NewWriter(ew, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprint(tw, "TASK\tREMOTE_RANK\tPORT\tPP\tLAYERS\tHEAD_SLOT\tLOCAL_BLOCKS\tREMOTE_BLOCKS\tOPS\tBYTES\tLAST\tSTITCH\t\n")
+		for i, t := range r.Tasks {
+			fmt.Fprintf(tw, "%d\t%d\t%d\t%d\t%d-%d\t%d/%d\t%s\t%s\t%d\t%d\t%s\t%s\t\n",
+				i, t.RemoteRank, t.HandshakePort, t.PPStage, t.LayerStart, t.LayerEnd-1, t.HeadSlot, t.P,
+				formatBlocks(t.LocalBlockIDs), formatBlocks(t.RemoteBlockIDs), t.Ops, t.Bytes, yesNo(t.Last), yesNo(t.Stitch))
+		}
+		tw.Flush()
+	}
+	return ew.err
+}
+
+func ints(v []int) string {
+	s := make([]string, len(v))
+	for i, x := range v {
+		s[i] = strconv.Itoa(x)
+	}
+	return "[" + strings.Join(s, " ") + "]"
+}
+
+func yesNo(b bool) string {
+	if b {
+		return "yes"
+	}
+	return "no"
+}
+
+// humanBytes is "N bytes" with a binary-unit gloss from 1 KiB on.
+func humanBytes(n uint64) string {
+	units := []string{"KiB", "MiB", "GiB", "TiB"}
+	if n < 1024 {
+		return fmt.Sprintf("%d bytes", n)
+	}
+	v, u := float64(n)/1024, 0
+	for v >= 1024 && u < len(units)-1 {
+		v, u = v/1024, u+1
+	}
+	return fmt.Sprintf("%d bytes (%.1f %s)", n, v, units[u])
+}
+
+// errWriter keeps the first write error so that the table code can ignore
+// them.
+type errWriter struct {
+	w   io.Writer
+	err error
+}
+
+func (e *errWriter) Write(p []byte) (int, error) {
+	if e.err != nil {
+		return 0, e.err
+	}
+	n, err := e.w.Write(p)
+	e.err = err
+	return n, err
+}
