@@ -11,6 +11,8 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+
+	"github.com/kvflow/kvflow/internal/cli/clierr"
 )
 
 // Exit codes.
@@ -83,7 +85,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return exitOK
 		case errors.Is(err, flag.ErrHelp):
 			return exitOK
-		case errors.As(err, new(usageError)):
+		case errors.As(err, new(usageError)), clierr.IsUsage(err):
 			fmt.Fprintf(stderr, "kvflow %s: %v\n", c.name, err)
 			return exitUsage
 		default:

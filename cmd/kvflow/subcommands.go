@@ -1,0 +1,29 @@
+package main
+
+import (
+	"context"
+	"io"
+
+	"github.com/kvflow/kvflow/internal/cli/benchte"
+	"github.com/kvflow/kvflow/internal/cli/plancmd"
+)
+
+func runPlan(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	return plancmd.Run(ctx, args, stdout, stderr)
+}
+
+// benchCommands are the subcommands of `kvflow bench`.
+var benchCommands = map[string]func(ctx context.Context, args []string, stdout, stderr io.Writer) error{
+	"te": benchte.Run,
+}
+
+func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) == 0 {
+		return usagef("bench: want a subcommand: te (transfer engine, Mooncake transfer_engine_bench flags) or e2e (end to end)")
+	}
+	run, ok := benchCommands[args[0]]
+	if !ok {
+		return usagef("bench: unknown subcommand %q (want te or e2e)", args[0])
+	}
+	return run(ctx, args[1:], stdout, stderr)
+}
