@@ -4,7 +4,7 @@ PKGS      ?= ./...
 TESTFLAGS ?= -race -count=1 -timeout 8m
 BIN       := bin/kvflow
 
-.PHONY: all deps build test test-nocgo vet demo bench soak fmt clean
+.PHONY: all deps build test test-nocgo vet demo bench soak e2e-prometheus fmt clean
 
 all: build
 
@@ -27,8 +27,18 @@ test: deps vet test-nocgo
 demo: build
 	./$(BIN) demo
 
+# Benchmarks, each against a baseline measured in the same run; see bench/RESULTS.md.
 bench: deps
-	$(GO) test -run '^$$' -bench . -benchmem -count 1 ./bench/...
+	$(GO) test -run '^$$' -bench . -benchmem -count 1 ./bench/... ./pipeline/ ./hw/npu/ ./hw/mooncake/ ./stages/plan/
+
+# 10 minutes of mixed load with random faults on loopback (not part of make test).
+soak: deps
+	KVFLOW_SOAK_DURATION=$${KVFLOW_SOAK_DURATION:-10m} $(GO) test -race -run TestSoak -timeout 20m -v ./internal/soak/
+
+# Opt-in: Debian's Prometheus scrapes live workers and answers a per-stage latency query.
+e2e-prometheus: deps
+	@command -v prometheus >/dev/null 2>&1 || apt-get install -y --no-install-recommends prometheus
+	KVFLOW_E2E_PROMETHEUS=1 $(GO) test -count=1 -run Prometheus -v ./deploy/
 
 fmt:
 	gofmt -w $$(git ls-files '*.go')
