@@ -38,7 +38,7 @@ soak: deps
 # Opt-in: Debian's Prometheus scrapes live workers and answers a per-stage latency query.
 e2e-prometheus: deps
 	@command -v prometheus >/dev/null 2>&1 || apt-get install -y --no-install-recommends prometheus
-	KVFLOW_E2E_PROMETHEUS=1 $(GO) test -count=1 -run Prometheus -v ./deploy/
+	KVFLOW_E2E_PROMETHEUS=1 $(GO) test -count=1 -run E2E -v ./deploy/
 
 fmt:
 	gofmt -w $$(git ls-files '*.go')
