@@ -2,6 +2,7 @@ package pipeline
 
 import (
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -24,9 +25,9 @@ type metrics struct {
 	rejected      *prometheus.CounterVec
 	duration      *prometheus.HistogramVec
 	items         *prometheus.CounterVec
-	busy          *prometheus.GaugeVec
+	busy          *prometheus.Desc
 	panics        *prometheus.CounterVec
-	inflight      prometheus.Gauge
+	inflight      prometheus.GaugeFunc
 	results       *prometheus.CounterVec
 	latency       *prometheus.HistogramVec
 	gauges        *queueCollector
@@ -38,7 +39,7 @@ type stageMetrics struct {
 	blocked  *blockedClock
 	rejected prometheus.Counter
 	duration prometheus.Observer
-	busy     prometheus.Gauge
+	busy     *atomic.Int64
 	panics   prometheus.Counter
 	outcomes map[string]prometheus.Counter
 }
@@ -56,12 +57,14 @@ type queueGauge struct {
 	capacity int
 	depth    func() float64
 	blocked  *blockedClock
+	busy     *atomic.Int64
 }
 
 func (c *queueCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.m.queueDepth
 	ch <- c.m.queueCapacity
 	ch <- c.m.blocked
+	ch <- c.m.busy
 }
 
 func (c *queueCollector) Collect(ch chan<- prometheus.Metric) {
@@ -69,6 +72,7 @@ func (c *queueCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.m.queueDepth, prometheus.GaugeValue, s.depth(), s.name)
 		ch <- prometheus.MustNewConstMetric(c.m.queueCapacity, prometheus.GaugeValue, float64(s.capacity), s.name)
 		ch <- prometheus.MustNewConstMetric(c.m.blocked, prometheus.CounterValue, s.blocked.seconds(), s.name)
+		ch <- prometheus.MustNewConstMetric(c.m.busy, prometheus.GaugeValue, float64(s.busy.Load()), s.name)
 	}
 }
 
@@ -76,7 +80,7 @@ func (c *queueCollector) Collect(ch chan<- prometheus.Metric) {
 // slow link).
 var DurationBuckets = prometheus.ExponentialBuckets(50e-6, 2.5, 16)
 
-func newMetrics(reg prometheus.Registerer, stages []string) (*metrics, error) {
+func newMetrics(reg prometheus.Registerer, stages []string, inflight *atomic.Int64) (*metrics, error) {
 	m := &metrics{
 		queueDepth: prometheus.NewDesc("kvflow_stage_queue_depth",
 			"Items waiting in the stage's input queue.", []string{"stage"}, nil),
@@ -98,18 +102,16 @@ func newMetrics(reg prometheus.Registerer, stages []string) (*metrics, error) {
 			Name: "kvflow_stage_items_total",
 			Help: "Items handled by the stage, by outcome (ok, error, skipped, canceled).",
 		}, []string{"stage", "outcome"}),
-		busy: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "kvflow_stage_busy_workers",
-			Help: "Workers of the stage currently running its processing function.",
-		}, []string{"stage"}),
+		busy: prometheus.NewDesc("kvflow_stage_busy_workers",
+			"Workers of the stage currently running its processing function.", []string{"stage"}, nil),
 		panics: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvflow_stage_panics_total",
 			Help: "Panics recovered in the stage's processing function (each also fails its item).",
 		}, []string{"stage"}),
-		inflight: prometheus.NewGauge(prometheus.GaugeOpts{
+		inflight: prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvflow_pipeline_in_flight",
 			Help: "Accepted items that have not yet reached the sink.",
-		}),
+		}, func() float64 { return float64(inflight.Load()) }),
 		results: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvflow_pipeline_items_total",
 			Help: "Items that reached the sink, by outcome (done, failed, canceled).",
@@ -121,7 +123,7 @@ func newMetrics(reg prometheus.Registerer, stages []string) (*metrics, error) {
 		}, []string{"outcome"}),
 	}
 	m.gauges = &queueCollector{m: m}
-	for _, c := range []prometheus.Collector{m.rejected, m.duration, m.items, m.busy, m.panics, m.inflight, m.results, m.latency} {
+	for _, c := range []prometheus.Collector{m.rejected, m.duration, m.items, m.panics, m.inflight, m.results, m.latency} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("pipeline: register metrics: %w", err)
 		}
@@ -135,12 +137,13 @@ func newMetrics(reg prometheus.Registerer, stages []string) (*metrics, error) {
 
 func (m *metrics) forStage(name string, capacity int, depth func() float64) stageMetrics {
 	bc := &blockedClock{epoch: time.Now()}
-	m.gauges.stages = append(m.gauges.stages, queueGauge{name: name, capacity: capacity, depth: depth, blocked: bc})
+	busy := new(atomic.Int64)
+	m.gauges.stages = append(m.gauges.stages, queueGauge{name: name, capacity: capacity, depth: depth, blocked: bc, busy: busy})
 	s := stageMetrics{
 		blocked:  bc,
 		rejected: m.rejected.WithLabelValues(name),
 		duration: m.duration.WithLabelValues(name),
-		busy:     m.busy.WithLabelValues(name),
+		busy:     busy,
 		panics:   m.panics.WithLabelValues(name),
 		outcomes: map[string]prometheus.Counter{},
 	}

@@ -165,7 +165,7 @@ func New[T any](cfg Config[T]) (*Pipeline[T], error) {
 	for i, sc := range cfg.Stages {
 		names[i] = sc.Name
 	}
-	m, err := newMetrics(reg, names)
+	m, err := newMetrics(reg, names, &p.inflight)
 	if err != nil {
 		p.hardCancel()
 		return nil, err
@@ -278,13 +278,11 @@ func (p *Pipeline[T]) accept() error {
 	}
 	p.items.Add(1)
 	p.inflight.Add(1)
-	p.m.inflight.Inc()
 	return nil
 }
 
 func (p *Pipeline[T]) unaccept() {
 	p.inflight.Add(-1)
-	p.m.inflight.Dec()
 	p.items.Done()
 }
 
@@ -338,11 +336,11 @@ func (p *Pipeline[T]) handle(s *stage[T], e *envelope[T]) {
 		p.cancel(s, e)
 		return
 	}
-	s.m.busy.Inc()
+	s.m.busy.Add(1)
 	t0 := nanotime()
 	err := p.invoke(s, e)
 	s.m.duration.Observe(since(t0).Seconds())
-	s.m.busy.Dec()
+	s.m.busy.Add(-1)
 
 	if err != nil && p.canceled.Load() {
 		s.m.outcome(outcomeCanceled).Inc()
