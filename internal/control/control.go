@@ -5,9 +5,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/vmihailenco/msgpack/v5"
+	"github.com/vmihailenco/msgpack/v5/msgpcode"
 
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/prefill"
@@ -56,19 +58,41 @@ const MaxRequests = 1 << 16
 // ErrBadRequest marks malformed control messages.
 var ErrBadRequest = errors.New("control: bad request")
 
-// Decode parses one control message.
+// maxDepth bounds the nesting of maps and arrays in a message, the message
+// itself included. A well-formed message nests 5 deep (message, requests,
+// request, kv_transfer_params, remote_block_ids); the bound leaves room for
+// clients' extra fields. Without it a deeply nested unknown field would
+// overflow the decoder's stack (a fatal error, not a recoverable panic)
+// well within MaxMessageBytes.
+const maxDepth = 16
+
+// Required keys of each request, as the seed reads them (a KeyError there).
+// A list may be nil (a Go client's nil slice: no blocks); the others must
+// not be.
+type key struct {
+	name  string
+	nilOK bool
+}
+
+var (
+	loadKeys   = []key{{"request_id", false}, {"local_block_ids", true}, {"kv_transfer_params", false}}
+	paramsKeys = []key{{"remote_block_ids", true}, {"remote_engine_id", false}, {"remote_host", false}, {"remote_port", false}}
+	sendKeys   = []key{{"request_id", false}}
+)
+
+// Decode parses one control message: exactly one msgpack map (no trailing
+// bytes), nested at most maxDepth deep, with no integer above 2^63-1.
 func Decode(b []byte) (Request, error) {
+	if err := scan(b); err != nil {
+		return Request{}, fmt.Errorf("%w: %v", ErrBadRequest, err)
+	}
 	var raw struct {
 		Op         string             `msgpack:"op"`
 		Requests   msgpack.RawMessage `msgpack:"requests"`
 		RequestIDs []string           `msgpack:"request_ids"`
 	}
-	dec := msgpack.NewDecoder(bytes.NewReader(b))
-	if err := dec.Decode(&raw); err != nil {
+	if err := msgpack.Unmarshal(b, &raw); err != nil {
 		return Request{}, fmt.Errorf("%w: %v", ErrBadRequest, err)
-	}
-	if dec.Buffered().(*bytes.Reader).Len() > 0 {
-		return Request{}, fmt.Errorf("%w: trailing bytes after the message", ErrBadRequest)
 	}
 	r := Request{Op: raw.Op, RequestIDs: raw.RequestIDs}
 	if len(r.RequestIDs) > MaxRequests {
@@ -76,11 +100,11 @@ func Decode(b []byte) (Request, error) {
 	}
 	switch raw.Op {
 	case "load":
-		if err := decodeList(raw.Requests, &r.Load); err != nil {
+		if err := decodeList(raw.Requests, &r.Load, loadKeys); err != nil {
 			return Request{}, err
 		}
 	case "send":
-		if err := decodeList(raw.Requests, &r.Send); err != nil {
+		if err := decodeList(raw.Requests, &r.Send, sendKeys); err != nil {
 			return Request{}, err
 		}
 	case "abort":
@@ -96,15 +120,108 @@ func Decode(b []byte) (Request, error) {
 	return r, nil
 }
 
-func decodeList[T any](b msgpack.RawMessage, out *[]T) error {
+// scan checks the structure of a message before it is decoded.
+func scan(b []byte) error {
 	if len(b) == 0 {
+		return errors.New("empty message")
+	}
+	if !isMap(b[0]) {
+		return fmt.Errorf("message is not a msgpack map (first byte %#02x)", b[0])
+	}
+	rd := bytes.NewReader(b)
+	if err := scanValue(msgpack.NewDecoder(rd), 0); err != nil {
+		return err
+	}
+	if rd.Len() > 0 {
+		return fmt.Errorf("%d trailing bytes after the message", rd.Len())
+	}
+	return nil
+}
+
+func scanValue(d *msgpack.Decoder, depth int) error {
+	c, err := d.PeekCode()
+	if err != nil {
+		return err
+	}
+	n := 0
+	switch {
+	case isMap(c):
+		if n, err = d.DecodeMapLen(); err != nil {
+			return err
+		}
+		n *= 2
+	case msgpcode.IsFixedArray(c) || c == msgpcode.Array16 || c == msgpcode.Array32:
+		if n, err = d.DecodeArrayLen(); err != nil {
+			return err
+		}
+	case c == msgpcode.Uint64:
+		v, err := d.DecodeUint64()
+		if err == nil && v > math.MaxInt64 {
+			err = fmt.Errorf("integer %d out of range", v)
+		}
+		return err
+	default:
+		return d.Skip()
+	}
+	if depth >= maxDepth {
+		return fmt.Errorf("nested deeper than %d", maxDepth)
+	}
+	for range n {
+		if err := scanValue(d, depth+1); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func isMap(c byte) bool { return msgpcode.IsFixedMap(c) || c == msgpcode.Map16 || c == msgpcode.Map32 }
+
+// decodeList decodes the requests of a load or send: an array of maps, each
+// with the keys required (present and not nil).
+func decodeList[T any](b msgpack.RawMessage, out *[]T, required []key) error {
+	if len(b) == 0 || b[0] == msgpcode.Nil {
 		return fmt.Errorf("%w: requests missing", ErrBadRequest)
 	}
-	if err := msgpack.Unmarshal(b, out); err != nil {
+	var elems []msgpack.RawMessage
+	if err := msgpack.Unmarshal(b, &elems); err != nil {
 		return fmt.Errorf("%w: requests: %v", ErrBadRequest, err)
 	}
-	if len(*out) > MaxRequests {
-		return fmt.Errorf("%w: %d requests, max %d", ErrBadRequest, len(*out), MaxRequests)
+	if len(elems) > MaxRequests {
+		return fmt.Errorf("%w: %d requests, max %d", ErrBadRequest, len(elems), MaxRequests)
+	}
+	*out = make([]T, len(elems))
+	for i, e := range elems {
+		if err := checkKeys(e, required, ""); err != nil {
+			return fmt.Errorf("%w: requests[%d]: %v", ErrBadRequest, i, err)
+		}
+		if err := msgpack.Unmarshal(e, &(*out)[i]); err != nil {
+			return fmt.Errorf("%w: requests[%d]: %v", ErrBadRequest, i, err)
+		}
+	}
+	return nil
+}
+
+// checkKeys checks that e is a map holding every required key (and, for a
+// load, that kv_transfer_params holds the seed's).
+func checkKeys(e msgpack.RawMessage, required []key, prefix string) error {
+	if len(e) == 0 || !isMap(e[0]) {
+		return fmt.Errorf("%snot a map", prefix)
+	}
+	var m map[string]msgpack.RawMessage
+	if err := msgpack.Unmarshal(e, &m); err != nil {
+		return fmt.Errorf("%s%v", prefix, err)
+	}
+	for _, k := range required {
+		v, ok := m[k.name]
+		isNil := len(v) == 0 || v[0] == msgpcode.Nil // the decoder leaves nil empty
+		if !ok || (isNil && !k.nilOK) {
+			return fmt.Errorf("%s%s missing", prefix, k.name)
+		}
+		if k.name == "kv_transfer_params" {
+			if err := checkKeys(v, paramsKeys, "kv_transfer_params."); err != nil {
+				return err
+			}
+		}
 	}
 	return nil
 }
@@ -118,35 +235,71 @@ func Encode(r Reply) []byte {
 	return b
 }
 
-// Dispatch runs one message against b.
-func Dispatch(ctx context.Context, b Backend, payload []byte) Reply {
+// Dispatch runs one message against b. It always returns a reply: a
+// malformed message, an op the backend does not implement (a nil func), a
+// backend that returns the wrong number of errors, or one that panics each
+// get an error reply.
+func Dispatch(ctx context.Context, b Backend, payload []byte) (rep Reply) {
 	req, err := Decode(payload)
 	if err != nil {
 		return Reply{Error: err.Error()}
 	}
+	defer func() {
+		if v := recover(); v != nil {
+			rep = Reply{Error: fmt.Sprintf("op %s: internal error: %v", req.Op, v)}
+		}
+	}()
+	unsupported := func() Reply {
+		return Reply{Error: fmt.Sprintf("op %s: not supported by a %s worker", req.Op, role(b))}
+	}
 	switch req.Op {
 	case "load":
 		if b.Load == nil {
-			return Reply{Error: fmt.Sprintf("op load: not supported by a %s worker", b.Role)}
+			return unsupported()
 		}
 		ctx, cancel := context.WithTimeout(ctx, LoadTimeout)
 		defer cancel()
-		return Reply{OK: true, Errors: errStrings(b.Load(ctx, req.Load))}
+		return perRequest(req.Op, len(req.Load), b.Load(ctx, req.Load))
 	case "send":
 		if b.Send == nil {
-			return Reply{Error: fmt.Sprintf("op send: not supported by a %s worker", b.Role)}
+			return unsupported()
 		}
-		return Reply{OK: true, Errors: errStrings(b.Send(req.Send))}
+		return perRequest(req.Op, len(req.Send), b.Send(req.Send))
 	case "abort":
+		if b.Abort == nil {
+			return unsupported()
+		}
 		n := b.Abort(req.RequestIDs)
 		return Reply{OK: true, Aborted: &n}
 	case "finished":
+		if b.Finished == nil {
+			return unsupported()
+		}
 		ds, dr, f := b.Finished()
 		return Reply{OK: true, DoneSending: nonNil(ds), DoneRecving: nonNil(dr), FailedRecving: nonNilF(f)}
 	case "status":
-		return Reply{OK: true, Role: b.Role, Status: b.Status()}
+		var st map[string]any
+		if b.Status != nil {
+			st = b.Status()
+		}
+		return Reply{OK: true, Role: b.Role, Status: st}
 	}
 	return Reply{Error: "unreachable"}
+}
+
+func role(b Backend) string {
+	if b.Role == "" {
+		return "this"
+	}
+	return b.Role
+}
+
+// perRequest is the reply of a load or send of n requests.
+func perRequest(op string, n int, errs []error) Reply {
+	if len(errs) != n {
+		return Reply{Error: fmt.Sprintf("op %s: internal error: %d results for %d requests", op, len(errs), n)}
+	}
+	return Reply{OK: true, Errors: errStrings(errs)}
 }
 
 func errStrings(errs []error) []*string {

@@ -11,9 +11,17 @@
 //
 // Every reply is a map with "ok" (bool) and, when not ok, "error". Per-request
 // results of load/send are in "errors" (nil = accepted), index-aligned with
-// the request list. Unknown ops, malformed msgpack and ill-typed fields get
-// an error reply; the server keeps serving. Unknown map keys are ignored so
-// clients can add fields.
+// the request list (absent when the list is empty). abort answers
+// "aborted" (how many ids the worker knew), status "role" and "status".
+// Unknown ops, malformed msgpack and ill-typed fields get an error reply;
+// the server keeps serving. Unknown map keys are ignored so clients can add
+// fields. Required, as the seed reads them: request_id of every request;
+// local_block_ids and kv_transfer_params (remote_block_ids,
+// remote_engine_id, remote_host, remote_port) of a load; request_ids of an
+// abort. A message must be one msgpack map, nested at most 16 deep, with no
+// integer above 2^63-1. A request that is not exactly one non-empty frame
+// (after REQ's empty delimiter) never reaches the codec: it gets the side
+// channel's raw "ERR <reason>" reply, not msgpack.
 //
 // The codec (Decode/Encode, Dispatch) is pure; the socket is
 // sidechannel.NewRouter's, on the process's one ZMQ context.
