@@ -1,0 +1,107 @@
+package benche2e
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvflow/kvflow/internal/cli/clierr"
+)
+
+func TestBadInputIsUsageErrorBeforeStarting(t *testing.T) {
+	cases := []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"unknown workload", []string{"--workload", "huge"}, `unknown workload "huge"`},
+		{"zero requests", []string{"--workload", "batch", "--requests", "0"}, "--requests 0"},
+		{"zero blocks", []string{"--workload", "long", "--blocks", "0"}, "--blocks 0"},
+		{"bad mode", []string{"--mode", "fast"}, "--mode"},
+		{"too big", []string{"--workload", "long", "--layers", "32"}, "do not fit"},
+		{"too big auto", []string{"--workload", "batch", "--requests", "100000"}, "do not fit"},
+		{"bad tp pair", []string{"--workload", "batch", "--prefill-tp", "3", "--decode-tp", "1"}, "batch TP 3 → 1"},
+		{"positional", []string{"extra"}, "unexpected arguments"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			var out, errb bytes.Buffer
+			start := time.Now()
+			err := Run(context.Background(), tc.args, &out, &errb)
+			if !clierr.IsUsage(err) {
+				t.Fatalf("err = %v, want a usage error", err)
+			}
+			if !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("err = %v, want it to mention %q", err, tc.want)
+			}
+			if out.Len() != 0 {
+				t.Errorf("printed %q before failing", out.String())
+			}
+			if d := time.Since(start); d > 2*time.Second {
+				t.Errorf("took %v: something started before the check", d)
+			}
+		})
+	}
+}
+
+func TestSizeAutoLayers(t *testing.T) {
+	w, err := Preset(Long)
+	if err != nil {
+		t.Fatal(err)
+	}
+	total, err := w.Size(3 << 30)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 8 × 128 decode + 128 prefill blocks of 512 KiB per layer.
+	if w.Layers != 5 || total != 5*1152*512<<10 {
+		t.Errorf("layers %d total %d", w.Layers, total)
+	}
+	if _, err := (&Workload{}).Size(1 << 30); err == nil {
+		t.Error("empty workload sized")
+	}
+}
+
+func TestSampleIdx(t *testing.T) {
+	if got := sampleIdx(10, 3); len(got) != 3 || got[0] != 0 || got[2] != 6 {
+		t.Errorf("sampleIdx(10, 3) = %v", got)
+	}
+	if got := sampleIdx(4, -1); len(got) != 4 {
+		t.Errorf("sampleIdx(4, -1) = %v", got)
+	}
+}
+
+// TestTinyRun drives a small stitched workload (TP 2 → 1) through both
+// modes and checks every byte.
+func TestTinyRun(t *testing.T) {
+	var out, errb bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	err := Run(ctx, []string{"--workload", "small", "--requests", "6", "--blocks", "3", "--layers", "2",
+		"--prefill-tp", "2", "--decode-tp", "1", "--verify", "-1", "--raw-mib", "1", "--json"}, &out, &errb)
+	if err != nil {
+		t.Fatalf("%v\nstderr: %s", err, errb.String())
+	}
+	var res Result
+	if err := json.Unmarshal(out.Bytes(), &res); err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Reports) != 1 || len(res.Reports[0].Runs) != 2 {
+		t.Fatalf("reports: %+v", res.Reports)
+	}
+	for _, r := range res.Reports[0].Runs {
+		if r.Failed != 0 || r.BadBytes != 0 || r.Verified != 6 || r.Bytes == 0 {
+			t.Errorf("%s: %+v", r.Mode, r)
+		}
+	}
+	if _, ok := res.Reports[0].Ratios["requests_per_s"]; !ok {
+		t.Error("no ratio")
+	}
+	if errors.Is(err, ErrFailed) {
+		t.Error("failed")
+	}
+}

@@ -1,0 +1,420 @@
+package benche2e
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"math"
+	"slices"
+	"sort"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/kvflow/kvflow/internal/decode"
+	"github.com/kvflow/kvflow/internal/prefill"
+)
+
+// Modes.
+const (
+	ModePipeline = "kvflow" // every request loaded as it arrives
+	ModeSerial   = "serial" // one request at a time: load, wait for done, next
+)
+
+// Options configures one workload's benchmark.
+type Options struct {
+	Workload Workload
+	// MaxMem caps the caches of both sides together (bytes).
+	MaxMem int64
+	// Verify is how many requests per run are checked byte by byte
+	// (evenly spread); < 0 checks all.
+	Verify int
+	// Modes to run, in order; empty = kvflow then serial.
+	Modes []string
+	// RawBytes is the payload of the raw TCP ceiling (0 skips it).
+	RawBytes int64
+	// Timeout bounds one run.
+	Timeout time.Duration
+	Logger  *slog.Logger
+}
+
+// Latency summarises request latencies (arrival to the last decode rank's
+// done).
+type Latency struct {
+	Count int           `json:"count"`
+	P50   time.Duration `json:"p50_ns"`
+	P99   time.Duration `json:"p99_ns"`
+	Max   time.Duration `json:"max_ns"`
+}
+
+// StageLatency is one decode stage's processing time from the workers'
+// kvflow_stage_duration_seconds histograms (bucket-interpolated).
+type StageLatency struct {
+	Stage string  `json:"stage"`
+	Count float64 `json:"count"`
+	P50   float64 `json:"p50_s"`
+	P99   float64 `json:"p99_s"`
+}
+
+// RunReport is one mode's figures.
+type RunReport struct {
+	Mode      string         `json:"mode"`
+	Requests  int            `json:"requests"`
+	Failed    int            `json:"failed"`
+	Bytes     uint64         `json:"bytes"`
+	Wall      time.Duration  `json:"wall_ns"`
+	GBps      float64        `json:"gb_per_s"`
+	ReqPerSec float64        `json:"requests_per_s"`
+	All       Latency        `json:"latency"`
+	Long      *Latency       `json:"latency_long,omitempty"`  // mixed only
+	Short     *Latency       `json:"latency_short,omitempty"` // mixed only
+	Stages    []StageLatency `json:"stages"`
+	Verified  int            `json:"verified_requests"`
+	BadBytes  int64          `json:"bad_bytes"`
+	FirstErr  string         `json:"first_error,omitempty"`
+}
+
+// Report is one workload's result.
+type Report struct {
+	Workload   Workload    `json:"workload"`
+	CacheBytes int64       `json:"cache_bytes"`
+	BlockBytes int64       `json:"block_bytes"`
+	RawTCP1    float64     `json:"raw_tcp_1conn_gb_per_s"`
+	RawTCP4    float64     `json:"raw_tcp_4conn_gb_per_s"`
+	Runs       []RunReport `json:"runs"`
+	// Ratios are kvflow / serial, of each mode's fastest run (latency
+	// ratios below 1 are better).
+	Ratios map[string]float64 `json:"ratios_kvflow_over_serial,omitempty"`
+	// OfRaw is kvflow GB/s / the 1-connection raw TCP ceiling.
+	OfRaw float64 `json:"kvflow_over_raw_tcp,omitempty"`
+}
+
+// Bench runs one workload: it sizes it (o.Workload.Layers may come back
+// changed), starts the cluster, runs each mode, verifies and reports.
+func Bench(ctx context.Context, o Options) (*Report, error) {
+	w := o.Workload
+	total, err := w.Size(o.MaxMem)
+	if err != nil {
+		return nil, err
+	}
+	if err := w.checkConfigs(); err != nil {
+		return nil, err
+	}
+	if len(o.Modes) == 0 {
+		o.Modes = []string{ModePipeline, ModeSerial}
+	}
+	if o.Timeout <= 0 {
+		o.Timeout = 5 * time.Minute
+	}
+	log := o.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	rep := &Report{Workload: w, CacheBytes: total, BlockBytes: w.BlockBytes()}
+	if o.RawBytes > 0 {
+		if rep.RawTCP1, err = RawTCP(o.RawBytes, 1); err != nil {
+			return nil, err
+		}
+		if rep.RawTCP4, err = RawTCP(o.RawBytes, 4); err != nil {
+			return nil, err
+		}
+	}
+	c, err := startCluster(w, log)
+	if err != nil {
+		return nil, fmt.Errorf("bench e2e: start workers: %w", err)
+	}
+	defer c.close()
+	reqs, _, _ := w.requests()
+	// Warm up: handshakes cached, engine connections open.
+	r0 := reqs[0]
+	warm := []reqSpec{{blocks: 1, local: r0.local[:1], remote: r0.remote[:1]}}
+	if _, err := c.run(ctx, "warmup", ModeSerial, warm, 0, o.Timeout); err != nil {
+		return nil, fmt.Errorf("bench e2e: warm-up: %w", err)
+	}
+	for k, m := range o.Modes {
+		r, err := c.run(ctx, fmt.Sprintf("%s%d", m, k), m, reqs, o.Verify, o.Timeout)
+		if err != nil {
+			return nil, fmt.Errorf("bench e2e: %s %s: %w", w.Name, m, err)
+		}
+		rep.Runs = append(rep.Runs, *r)
+	}
+	rep.ratios()
+	return rep, nil
+}
+
+func (rep *Report) ratios() {
+	var kv, se *RunReport
+	// With repeated runs, each mode's fastest one.
+	for i := range rep.Runs {
+		r := &rep.Runs[i]
+		switch {
+		case r.Mode == ModePipeline && (kv == nil || r.Wall < kv.Wall):
+			kv = r
+		case r.Mode == ModeSerial && (se == nil || r.Wall < se.Wall):
+			se = r
+		}
+	}
+	if kv != nil && rep.RawTCP1 > 0 {
+		rep.OfRaw = kv.GBps / rep.RawTCP1
+	}
+	if kv == nil || se == nil {
+		return
+	}
+	div := func(a, b float64) float64 {
+		if b == 0 {
+			return math.NaN()
+		}
+		return a / b
+	}
+	rep.Ratios = map[string]float64{
+		"gb_per_s":       div(kv.GBps, se.GBps),
+		"requests_per_s": div(kv.ReqPerSec, se.ReqPerSec),
+		"latency_p50":    div(float64(kv.All.P50), float64(se.All.P50)),
+		"latency_p99":    div(float64(kv.All.P99), float64(se.All.P99)),
+	}
+	if kv.Short != nil && se.Short != nil {
+		rep.Ratios["short_latency_p50"] = div(float64(kv.Short.P50), float64(se.Short.P50))
+		rep.Ratios["short_latency_p99"] = div(float64(kv.Short.P99), float64(se.Short.P99))
+	}
+}
+
+// run drives reqs through the cluster in mode and measures it.
+func (c *cluster) run(ctx context.Context, prefix, mode string, reqs []reqSpec, nverify int, timeout time.Duration) (*RunReport, error) {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	ids := make([]string, len(reqs))
+	for i := range reqs {
+		ids[i] = fmt.Sprintf("%s-%d", prefix, i)
+	}
+	// The prefill side holds every request before decode asks.
+	for _, p := range c.prefill {
+		sends := make([]prefill.SendRequest, len(reqs))
+		for i, r := range reqs {
+			sends[i] = prefill.SendRequest{RequestID: ids[i], BlockIDs: r.remote}
+		}
+		for i, err := range p.Prefill.Send(sends) {
+			if err != nil {
+				return nil, fmt.Errorf("prefill send %s: %w", ids[i], err)
+			}
+		}
+	}
+	sample := sampleIdx(len(reqs), nverify)
+	for _, i := range sample {
+		c.clear(reqs[i])
+	}
+	pend := make([]*pending, len(reqs))
+	for i := range reqs {
+		pend[i] = c.col.add(ids[i], len(c.decode))
+	}
+	defer c.col.forget(ids)
+	before := c.gather()
+	start := time.Now()
+	load := func(i int) error {
+		lr := []decode.LoadRequest{{RequestID: ids[i], LocalBlockIDs: reqs[i].local, Params: c.params(reqs[i])}}
+		for _, d := range c.decode {
+			if err := d.Decode.Load(ctx, lr)[0]; err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	wait := func(p *pending) error {
+		select {
+		case <-p.done:
+			return nil
+		case <-ctx.Done():
+			return fmt.Errorf("waiting for requests: %w", context.Cause(ctx))
+		}
+	}
+	for i, r := range reqs {
+		if d := time.Until(start.Add(r.arrival)); d > 0 {
+			select {
+			case <-time.After(d):
+			case <-ctx.Done():
+				return nil, context.Cause(ctx)
+			}
+		}
+		if err := load(i); err != nil {
+			return nil, err
+		}
+		if mode == ModeSerial {
+			if err := wait(pend[i]); err != nil {
+				return nil, err
+			}
+		}
+	}
+	for _, p := range pend {
+		if err := wait(p); err != nil {
+			return nil, err
+		}
+	}
+	rr := &RunReport{Mode: mode, Requests: len(reqs)}
+	var end time.Time
+	var all, long, short []time.Duration
+	for i, p := range pend {
+		fin, n, err := c.col.result(p)
+		if fin.After(end) {
+			end = fin
+		}
+		rr.Bytes += n
+		if err != nil {
+			rr.Failed++
+			if rr.FirstErr == "" {
+				rr.FirstErr = fmt.Sprintf("%s: %v", ids[i], err)
+			}
+		}
+		lat := fin.Sub(start.Add(reqs[i].arrival))
+		all = append(all, lat)
+		if reqs[i].short {
+			short = append(short, lat)
+		} else {
+			long = append(long, lat)
+		}
+	}
+	rr.Wall = end.Sub(start)
+	rr.GBps = float64(rr.Bytes) / rr.Wall.Seconds() / 1e9
+	rr.ReqPerSec = float64(len(reqs)) / rr.Wall.Seconds()
+	rr.All = summarize(all)
+	if len(short) > 0 {
+		s, l := summarize(short), summarize(long)
+		rr.Short, rr.Long = &s, &l
+	}
+	rr.Stages = stageDelta(before, c.gather())
+	for _, i := range sample {
+		bad, err := c.check(ids[i], reqs[i])
+		rr.Verified++
+		rr.BadBytes += bad
+		if err != nil && rr.FirstErr == "" {
+			rr.FirstErr = err.Error()
+		}
+	}
+	// Drain the workers' finished lists so long runs keep memory flat.
+	for _, d := range c.decode {
+		d.Decode.Finished()
+	}
+	for _, p := range c.prefill {
+		p.Prefill.Finished()
+	}
+	return rr, nil
+}
+
+// sampleIdx is n indices spread evenly over [0, total), all when n < 0.
+func sampleIdx(total, n int) []int {
+	if n < 0 || n >= total {
+		return seq(0, total)
+	}
+	var out []int
+	for k := range n {
+		i := k * total / n
+		if len(out) == 0 || out[len(out)-1] != i {
+			out = append(out, i)
+		}
+	}
+	return out
+}
+
+func summarize(d []time.Duration) Latency {
+	if len(d) == 0 {
+		return Latency{}
+	}
+	s := slices.Clone(d)
+	slices.Sort(s)
+	q := func(p float64) time.Duration {
+		i := int(math.Ceil(p*float64(len(s)))) - 1
+		return s[max(0, min(i, len(s)-1))]
+	}
+	return Latency{Count: len(s), P50: q(0.5), P99: q(0.99), Max: s[len(s)-1]}
+}
+
+// hist is one stage's cumulative buckets summed over decode ranks.
+type hist struct {
+	upper []float64
+	cum   []float64
+	count float64
+}
+
+func (c *cluster) gather() map[string]*hist {
+	out := map[string]*hist{}
+	for _, reg := range c.regs {
+		mfs, err := reg.Gather()
+		if err != nil {
+			continue
+		}
+		for _, mf := range mfs {
+			if mf.GetName() != "kvflow_stage_duration_seconds" {
+				continue
+			}
+			for _, m := range mf.GetMetric() {
+				addHist(out, m)
+			}
+		}
+	}
+	return out
+}
+
+func addHist(out map[string]*hist, m *dto.Metric) {
+	stage := ""
+	for _, l := range m.GetLabel() {
+		if l.GetName() == "stage" {
+			stage = l.GetValue()
+		}
+	}
+	h := m.GetHistogram()
+	b := out[stage]
+	if b == nil {
+		b = &hist{}
+		for _, bk := range h.GetBucket() {
+			b.upper = append(b.upper, bk.GetUpperBound())
+			b.cum = append(b.cum, 0)
+		}
+		out[stage] = b
+	}
+	for i, bk := range h.GetBucket() {
+		if i < len(b.cum) {
+			b.cum[i] += float64(bk.GetCumulativeCount())
+		}
+	}
+	b.count += float64(h.GetSampleCount())
+}
+
+func stageDelta(before, after map[string]*hist) []StageLatency {
+	rank := map[string]int{"plan": 0, "handshake": 1, "read": 2, "stitch": 3, "notify": 4}
+	var names []string
+	for n := range after {
+		names = append(names, n)
+	}
+	sort.Slice(names, func(i, j int) bool { return rank[names[i]] < rank[names[j]] })
+	var out []StageLatency
+	for _, n := range names {
+		a := after[n]
+		d := &hist{upper: a.upper, cum: slices.Clone(a.cum), count: a.count}
+		if b := before[n]; b != nil {
+			for i := range d.cum {
+				if i < len(b.cum) {
+					d.cum[i] -= b.cum[i]
+				}
+			}
+			d.count -= b.count
+		}
+		out = append(out, StageLatency{Stage: n, Count: d.count, P50: d.quantile(0.5), P99: d.quantile(0.99)})
+	}
+	return out
+}
+
+func (b *hist) quantile(q float64) float64 {
+	if b.count == 0 {
+		return 0
+	}
+	target := q * b.count
+	lower, prev := 0.0, 0.0
+	for i, up := range b.upper {
+		if b.cum[i] >= target {
+			if b.cum[i] == prev {
+				return up
+			}
+			return lower + (up-lower)*(target-prev)/(b.cum[i]-prev)
+		}
+		lower, prev = up, b.cum[i]
+	}
+	return lower
+}
