@@ -208,6 +208,12 @@ type Read struct {
 	Timeout Duration `json:"timeout"` // one task's batch, end to end
 	// PerPeerConcurrency bounds the batches in flight to one remote rank.
 	PerPeerConcurrency int `json:"per_peer_concurrency"`
+	// Grants (prefill) makes the transfer engine serve only the blocks of
+	// requests this worker holds for decode, so a read after a force-free
+	// or an abort is refused rather than served from reused memory. Off by
+	// default: Mooncake peers and seed schedulers (whose send carries no
+	// block ids) expect every registered byte to be readable.
+	Grants bool `json:"grants"`
 }
 
 // Notify configures DONE_RECVING.

@@ -76,6 +76,9 @@ type Options struct {
 	HandshakeTimeout   time.Duration
 	NotifyTimeout      time.Duration
 	PerSession         int
+	// ReadTimeout bounds one task's batch (0: only the engine's own I/O
+	// timeout applies).
+	ReadTimeout time.Duration
 	// MaxFinished bounds finished results kept for Finished (an engine that
 	// never polls must not grow memory without end); the oldest are dropped
 	// and counted. 1 << 16.
@@ -200,7 +203,7 @@ func New(o Options) (*Worker, error) {
 	}
 	w.hs = hs
 	rd, err := read.New(o.Transfer, read.Options{
-		Layout: o.Layout, Local: o.Local, PerSession: o.PerSession, Registerer: reg,
+		Layout: o.Layout, Local: o.Local, PerSession: o.PerSession, Timeout: o.ReadTimeout, Registerer: reg,
 		Invalidate: func(j *job.Job, i int) { hs.Invalidate(handshake.KeyOf(j, i)) },
 	})
 	if err != nil {

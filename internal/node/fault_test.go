@@ -239,3 +239,37 @@ func TestStageMetrics(t *testing.T) {
 		t.Errorf("stage duration series %d, want 5 stages", n)
 	}
 }
+
+// With read grants on, the prefill engine serves only the blocks of held
+// requests: after a request is aborted (and reported freed), a late read of
+// its blocks is refused and the decode request fails — never done.
+func TestReadGrantsFence(t *testing.T) {
+	tp := topo{prefillTP: 1, decodeTP: 1, model: gqa(2), grants: true}
+	c := startCluster(t, tp)
+	p, d := c.prefill[0], c.decode[0]
+	p.Prefill.Send([]prefill.SendRequest{{RequestID: "held", BlockIDs: []int{1, 2}}, {RequestID: "gone", BlockIDs: []int{3}}})
+	if n := p.Prefill.Abort([]string{"gone"}); n != 1 {
+		t.Fatalf("abort: %d", n)
+	}
+	p.Prefill.Finished() // the engine frees "gone": its grant is revoked
+	if err := load(t, d, "held", []int{1, 2}, []int{1, 2}, c.kvPort, "P"); err != nil {
+		t.Fatal(err)
+	}
+	if r := waitResult(t, c, 10*time.Second); r.Err != nil {
+		t.Fatalf("held request: %v", r.Err)
+	}
+	if err := load(t, d, "gone", []int{3}, []int{3}, c.kvPort, "P"); err != nil {
+		t.Fatal(err)
+	}
+	r := waitResult(t, c, 10*time.Second)
+	if r.Err == nil || !strings.Contains(r.Err.Error(), "read") {
+		t.Fatalf("read after abort: %+v", r)
+	}
+	// Blocks never handed over are not readable either.
+	if err := load(t, d, "never", []int{5}, []int{5}, c.kvPort, "P"); err != nil {
+		t.Fatal(err)
+	}
+	if r := waitResult(t, c, 10*time.Second); r.Err == nil {
+		t.Fatal("read of blocks never granted succeeded")
+	}
+}

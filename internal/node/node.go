@@ -29,10 +29,6 @@ type Deps struct {
 	// BootEpoch is sent in the prefill side's metadata; 0 = unix nanos at
 	// start.
 	BootEpoch uint64
-	// ReadGrants makes a prefill worker's transfer engine serve only the
-	// blocks of requests it holds (off by default: Mooncake peers expect
-	// every registered byte to be readable).
-	ReadGrants bool
 }
 
 // Node is a running worker.
@@ -103,7 +99,7 @@ func Start(cfg config.Config, deps Deps) (_ *Node, err error) {
 	tc := mooncake.DefaultTCPConfig()
 	tc.Host = cfg.TEHost()
 	tc.RPCPort = cfg.Node.TEPort
-	tc.ReadGrants = n.deps.ReadGrants && cfg.Role() == config.Prefill
+	tc.ReadGrants = cfg.Read.Grants && cfg.Role() == config.Prefill
 	n.Engine, err = mooncake.NewTCPEngine(tc, deps.Registerer, log)
 	if err != nil {
 		return nil, fmt.Errorf("node: transfer engine: %w", err)
@@ -160,6 +156,7 @@ func (n *Node) startDecode(log *slog.Logger, layout npu.Layout) error {
 		HandshakeTimeout:   time.Duration(max(1, cfg.Handshake.Attempts)) * (cfg.Handshake.Timeout.D() + cfg.Handshake.RetryBackoff.D()),
 		NotifyTimeout:      time.Duration(max(1, cfg.Notify.Attempts)) * (cfg.Notify.Timeout.D() + cfg.Notify.RetryBackoff.D()),
 		PerSession:         cfg.Read.PerPeerConcurrency,
+		ReadTimeout:        cfg.Read.Timeout.D(),
 		OnFinish:           n.deps.OnFinish,
 		Registerer:         n.deps.Registerer,
 		Logger:             log,
@@ -179,7 +176,7 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 		epoch = uint64(time.Now().UnixNano())
 	}
 	var grants prefill.Grants
-	if n.deps.ReadGrants {
+	if cfg.Read.Grants {
 		grants = engineGrants{e: n.Engine, d: n.Device}
 	}
 	w, err := prefill.New(prefill.Options{

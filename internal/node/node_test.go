@@ -20,6 +20,7 @@ type topo struct {
 	prefillPP            int
 	model                config.Model
 	prefixHit, emptyReqs bool
+	grants               bool
 }
 
 func gqa(layers int) config.Model {
@@ -55,6 +56,7 @@ func baseConfig(tp topo, role string, kvPort int) config.Config {
 	c.Cache.NoHugePages = true
 	c.Handshake.Timeout = config.Duration(500 * time.Millisecond)
 	c.Notify.Timeout = config.Duration(500 * time.Millisecond)
+	c.Read.Grants = tp.grants
 	return c
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sync/errgroup"
@@ -34,6 +35,9 @@ type Options struct {
 	// 4: enough to keep a TCP peer's lanes busy; the rest of the read
 	// workers stay free for other peers.
 	PerSession int
+	// Timeout bounds one task's batch, from the wait for its session's
+	// slot to the last byte; 0 = none beyond the engine's I/O timeout.
+	Timeout    time.Duration
 	Invalidate Invalidator
 	Registerer prometheus.Registerer
 }
@@ -110,6 +114,11 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 		return nil
 	}
 	session := j.Session(i)
+	if s.opts.Timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeoutCause(ctx, s.opts.Timeout, fmt.Errorf("read: task %d exceeded read.timeout %v", i, s.opts.Timeout))
+		defer cancel()
+	}
 	sem := s.sem(session)
 	select {
 	case sem <- struct{}{}:
