@@ -43,6 +43,12 @@ type ClientOptions struct {
 	// connection and the attempt times out). 16 MiB: metadata of thousands
 	// of caches is < 100 KiB.
 	MaxReplyBytes int64
+	// Curve, when set, makes every socket a CURVE client of servers with
+	// public key Curve.ServerPublicKey, using Curve's key pair (an ephemeral
+	// one if it has none). Nil: no authentication (the seed's protocol). A
+	// client and server that disagree (one on, one off, or wrong keys)
+	// never complete the handshake: calls time out.
+	Curve *Curve
 	// Logger overrides the context's logger.
 	Logger *slog.Logger
 }
@@ -111,6 +117,11 @@ func (o ClientOptions) Validate() error {
 	if o.MaxReplyBytes < 64 {
 		errs = append(errs, fmt.Errorf("sidechannel: MaxReplyBytes %d: want ≥ 64", o.MaxReplyBytes))
 	}
+	if o.Curve != nil {
+		if err := o.Curve.validate(roleClient); err != nil {
+			errs = append(errs, fmt.Errorf("sidechannel: Curve: %w", err))
+		}
+	}
 	return errors.Join(errs...)
 }
 
@@ -121,10 +132,11 @@ func (o ClientOptions) Validate() error {
 // closed and a later call makes a fresh one. Peers are independent: a slow
 // peer only delays calls to itself.
 type Client struct {
-	zctx *Context
-	opts ClientOptions
-	log  *slog.Logger
-	m    *metrics
+	zctx  *Context
+	opts  ClientOptions
+	curve *Curve // resolved keys (own copy), nil without CURVE
+	log   *slog.Logger
+	m     *metrics
 
 	base   context.Context // cancelled by Close: aborts in-flight waits
 	cancel context.CancelFunc
@@ -148,6 +160,14 @@ func NewClient(zctx *Context, opts ClientOptions) (*Client, error) {
 		return nil, err
 	}
 	opts = opts.withDefaults()
+	var curve *Curve
+	if opts.Curve != nil {
+		var err error
+		if curve, err = opts.Curve.client(); err != nil {
+			return nil, fmt.Errorf("sidechannel: client: %w", err)
+		}
+		opts.Curve = nil // keep only the resolved copy
+	}
 	log := opts.Logger
 	if log == nil {
 		log = zctx.log
@@ -155,6 +175,7 @@ func NewClient(zctx *Context, opts ClientOptions) (*Client, error) {
 	c := &Client{
 		zctx:        zctx,
 		opts:        opts,
+		curve:       curve,
 		log:         log.With("role", roleClient),
 		m:           zctx.metrics,
 		peers:       map[string]*peer{},
@@ -398,7 +419,7 @@ func (p *peer) get(ctx context.Context, c *Client) (*conn, error) {
 		return cn, nil
 	}
 	p.mu.Unlock()
-	cn, err := newConn(c.zctx, p.ep, c.opts.MaxReplyBytes)
+	cn, err := newConn(c.zctx, p.ep, c.opts.MaxReplyBytes, c.curve)
 	if err != nil {
 		<-p.slots
 		return nil, err
@@ -462,7 +483,7 @@ type conn struct {
 	dirty     bool // a wake-up was sent: never reuse
 }
 
-func newConn(zctx *Context, ep endpoint, maxReply int64) (cn *conn, err error) {
+func newConn(zctx *Context, ep endpoint, maxReply int64, curve *Curve) (cn *conn, err error) {
 	cn = &conn{zctx: zctx}
 	defer func() {
 		if err != nil {
@@ -479,6 +500,11 @@ func newConn(zctx *Context, ep endpoint, maxReply int64) (cn *conn, err error) {
 	if ep.ipv6 {
 		if err = cn.sock.SetIpv6(true); err != nil {
 			return nil, fmt.Errorf("sidechannel: set ipv6: %w", err)
+		}
+	}
+	if curve != nil {
+		if err = setCurveClient(cn.sock, curve); err != nil {
+			return nil, err
 		}
 	}
 	if err = cn.sock.Connect(ep.zmq); err != nil {
@@ -501,6 +527,20 @@ func newConn(zctx *Context, ep endpoint, maxReply int64) (cn *conn, err error) {
 	cn.poller.Add(cn.sock, zmq.POLLIN)
 	cn.poller.Add(cn.wakeR, zmq.POLLIN)
 	return cn, nil
+}
+
+// setCurveClient makes s a CURVE client (before connect).
+func setCurveClient(s *zmq.Socket, c *Curve) error {
+	if err := s.SetCurveServerkey(c.ServerPublicKey); err != nil {
+		return fmt.Errorf("sidechannel: set curve server key: %w", err)
+	}
+	if err := s.SetCurvePublickey(c.PublicKey); err != nil {
+		return fmt.Errorf("sidechannel: set curve public key: %w", err)
+	}
+	if err := s.SetCurveSecretkey(c.SecretKey); err != nil {
+		return fmt.Errorf("sidechannel: set curve secret key: %w", err)
+	}
+	return nil
 }
 
 func (cn *conn) close() {

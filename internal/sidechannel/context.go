@@ -50,6 +50,9 @@ type Context struct {
 	closeMu sync.Mutex // serialises Close
 	termErr error
 	termed  bool
+
+	zapMu sync.Mutex  // guards zap; taken before mu (startZAP calls newSocket), never after
+	zap   *zapHandler // started by the first CURVE server, stopped by Close
 }
 
 type closer interface{ Close() error }
@@ -177,6 +180,7 @@ func (c *Context) Close() error {
 			errs = append(errs, err)
 		}
 	}
+	c.stopZAP() // every server is closed: no handshake needs it now
 	if n := c.waitSockets(); n > 0 {
 		errs = append(errs, fmt.Errorf("sidechannel: %d sockets still open after %v; zmq context not terminated", n, c.timeout))
 		return errors.Join(errs...) // not termed: a later Close may retry

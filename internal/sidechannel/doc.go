@@ -79,13 +79,56 @@
 //   - never spin: waits are zmq_poll with a deadline, or on a wake socket;
 //   - never put a request id in a metric label.
 //
+// # Authentication (optional, off by default)
+//
+// With ServerOptions.Curve and ClientOptions.Curve nil (the default) the
+// side channel speaks the seed's plain protocol, which seed peers require.
+// Setting them turns on ZMQ CURVE (RFC 26) for that socket; NewRouter (the
+// control socket, tcp:// or ipc://) takes ServerOptions.Curve too.
+//
+//   - A client must know the server's public key (Curve.ServerPublicKey);
+//     traffic is encrypted and the server proves it holds the secret key.
+//   - With Curve.AuthorizedClients the server also admits only the listed
+//     client public keys; without it, any client that knows the server key.
+//     A client with no key pair of its own uses an ephemeral one (good only
+//     for servers that admit any client).
+//   - A peer that fails (no keys, wrong server key, unlisted key, or a seed
+//     peer) never completes the handshake: libzmq drops it before any
+//     message, so the Handler is never called, the peer gets no reply and
+//     its call times out, and the server keeps serving everyone else. A
+//     CURVE client never falls back to plaintext. Turn auth on for every
+//     worker of a deployment at once.
+//   - Client keys are checked by a ZAP handler (RFC 27) that each Context
+//     runs itself: a ROUTER at inproc://zeromq.zap.01 on the Context's own
+//     ZMQ context, owned by one goroutine, started by the first CURVE
+//     server and stopped by Context.Close before libzmq is terminated.
+//     pebbe/zmq4's AuthStart is not used: it binds on zmq4's default
+//     context, which a Context's sockets never consult, so it would admit
+//     every key. Each CURVE server has its own ZAP domain ("kvflow-N") and
+//     key list; requests for unknown domains are denied (fail closed).
+//     Servers without Curve use no ZAP domain and are not affected.
+//   - ZAP denials are counted in kvflow_sidechannel_auth_denied_total
+//     {reason} and logged (rate-limited) with the peer address and key.
+//     Handshake failures (no keys, wrong server key) are not reported by
+//     libzmq to the server: they show only as client timeouts.
+//   - Keys are Z85 text (40 characters). LoadCurveKeys reads the files the
+//     configuration names (auth.*_file): one key per file, the authorized
+//     file one per line ("KEY [comment]", '#' comment lines); the pair
+//     must match, and an authorized file without keys is an error rather
+//     than "admit anyone". GenerateKeyPair, WriteKeyFile (never
+//     overwrites; secret files 0600) and WriteKeyPair make them. A Curve
+//     prints (String, LogValue) without its secret key.
+//   - A client has one ServerPublicKey: every prefill worker a decode
+//     worker dials shares one server key pair.
+//
 // # Metrics
 //
 // Registered once per Context on ContextOptions.Registerer:
 // kvflow_sidechannel_requests_total{role,op,outcome},
 // kvflow_sidechannel_request_duration_seconds{role,op},
 // kvflow_sidechannel_bad_messages_total{reason},
-// kvflow_sidechannel_socket_resets_total{reason} and
+// kvflow_sidechannel_socket_resets_total{reason},
+// kvflow_sidechannel_auth_denied_total{reason} and
 // kvflow_sidechannel_open_sockets. role is "client" or "server" (one process
 // may be both), op "get_meta" or "done".
 package sidechannel

@@ -33,6 +33,12 @@ const (
 	badDecode   = "decode"   // payload not a well-formed request
 	badUnknown  = "unknown"  // well-formed, unknown message type
 
+	// Authentication denial reasons (ZAP, CURVE servers).
+	authDeniedKey           = "unauthorized_key" // key not in AuthorizedClients
+	authDeniedMechanism     = "mechanism"        // not CURVE (cannot happen on a CURVE socket)
+	authDeniedUnknownDomain = "unknown_domain"   // no server of this context has the domain
+	authDeniedBadRequest    = "bad_request"      // malformed ZAP request
+
 	// Socket reset reasons (client).
 	resetTimeout  = "timeout"
 	resetError    = "error"
@@ -44,6 +50,7 @@ var (
 	serverOutcomes = []string{outcomeOK, outcomeHandlerError, outcomeSendError}
 	badReasons     = []string{badEnvelope, badDecode, badUnknown}
 	resetReasons   = []string{resetTimeout, resetError, resetCanceled}
+	authReasons    = []string{authDeniedKey, authDeniedMechanism, authDeniedUnknownDomain, authDeniedBadRequest}
 )
 
 // metrics is shared by every client and server of one Context (one per
@@ -52,6 +59,7 @@ type metrics struct {
 	requests    *prometheus.CounterVec   // role, op, outcome
 	badMessages *prometheus.CounterVec   // reason
 	resets      *prometheus.CounterVec   // reason
+	authDenied  *prometheus.CounterVec   // reason
 	duration    *prometheus.HistogramVec // role, op
 }
 
@@ -69,6 +77,10 @@ func newMetrics(reg prometheus.Registerer, openSockets func() float64) *metrics 
 		resets: f.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvflow_sidechannel_socket_resets_total",
 			Help: "Client sockets closed and replaced after a timeout, error or cancellation, by reason.",
+		}, []string{"reason"}),
+		authDenied: f.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvflow_sidechannel_auth_denied_total",
+			Help: "Connections refused by CURVE servers' client-key check (ZAP), by reason. Clients with no or a wrong server key fail the CURVE handshake and are not counted.",
 		}, []string{"reason"}),
 		duration: f.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "kvflow_sidechannel_request_duration_seconds",
@@ -96,6 +108,9 @@ func newMetrics(reg prometheus.Registerer, openSockets func() float64) *metrics 
 	}
 	for _, r := range resetReasons {
 		m.resets.WithLabelValues(r)
+	}
+	for _, r := range authReasons {
+		m.authDenied.WithLabelValues(r)
 	}
 	return m
 }

@@ -63,6 +63,11 @@ type ServerOptions struct {
 	// and drop, leaving a REQ peer to time out. By default kvflow answers
 	// them with "ERR <reason>" so a REQ peer fails at once and stays usable.
 	DropBadMessages bool
+	// Curve, when set, makes the socket a CURVE server: only clients that
+	// know its public key (and, with Curve.AuthorizedClients, hold an
+	// authorized key) can connect; traffic is encrypted. Nil: no
+	// authentication (the seed's protocol, which seed peers speak).
+	Curve *Curve
 	// Logger overrides the context's logger.
 	Logger *slog.Logger
 }
@@ -77,6 +82,7 @@ type Server struct {
 	log  *slog.Logger
 	m    *metrics
 	addr string
+	zap  string // ZAP domain of a CURVE server, "" otherwise
 
 	sock  *zmq.Socket // ROUTER; owned by the loop goroutine
 	wakeR *zmq.Socket // PAIR; owned by the loop goroutine
@@ -154,10 +160,16 @@ func newServer(zctx *Context, opts ServerOptions, ep endpoint, h Handler, raw Ra
 			zctx.closeSocket(s.wakeS)
 			zctx.closeSocket(s.wakeR)
 			zctx.closeSocket(s.sock)
+			zctx.zapRemove(s.zap)
 		}
 	}()
 	if s.sock, err = zctx.newSocket(zmq.ROUTER); err != nil {
 		return nil, err
+	}
+	if opts.Curve != nil {
+		if err = s.setCurve(opts.Curve); err != nil {
+			return nil, err
+		}
 	}
 	if err = s.sock.SetMaxmsgsize(opts.MaxMessageBytes); err != nil {
 		return nil, fmt.Errorf("sidechannel: server: set maxmsgsize: %w", err)
@@ -193,8 +205,37 @@ func newServer(zctx *Context, opts ServerOptions, ep endpoint, h Handler, raw Ra
 		return nil, err
 	}
 	go s.loop()
-	s.log.Info("side channel listening")
+	auth := "off"
+	if opts.Curve != nil {
+		auth = "curve"
+		if len(opts.Curve.AuthorizedClients) > 0 {
+			auth = fmt.Sprintf("curve, %d authorized client keys", len(opts.Curve.AuthorizedClients))
+		}
+	}
+	s.log.Info("side channel listening", "auth", auth)
 	return s, nil
+}
+
+// setCurve makes s.sock a CURVE server with its own ZAP domain (before
+// bind, so every connection is authenticated).
+func (s *Server) setCurve(c *Curve) error {
+	keys, err := c.server()
+	if err != nil {
+		return fmt.Errorf("sidechannel: server: %w", err)
+	}
+	if s.zap, err = s.zctx.zapAdd(keys); err != nil {
+		return fmt.Errorf("sidechannel: server: start zap handler: %w", err)
+	}
+	if err := s.sock.SetCurveServer(1); err != nil {
+		return fmt.Errorf("sidechannel: server: set curve server: %w", err)
+	}
+	if err := s.sock.SetCurveSecretkey(c.SecretKey); err != nil {
+		return fmt.Errorf("sidechannel: server: set curve secret key: %w", err)
+	}
+	if err := s.sock.SetZapDomain(s.zap); err != nil {
+		return fmt.Errorf("sidechannel: server: set zap domain: %w", err)
+	}
+	return nil
 }
 
 // Addr returns the bound "host:port" (with the real port when Addr had 0).
@@ -213,6 +254,7 @@ func (s *Server) Close() error {
 		<-s.done
 		s.zctx.closeSocket(s.wakeS)
 		s.wakeS = nil
+		s.zctx.zapRemove(s.zap)
 		s.zctx.unregister(s)
 		s.log.Info("side channel closed")
 	})
