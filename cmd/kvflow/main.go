@@ -44,6 +44,7 @@ func commands() []command {
 		{"plan", "validate a topology and print a request's plan", runPlan},
 		{"probe", "fetch a side channel's metadata, optionally send a DONE", runProbe},
 		{"bench", "benchmarks: te (transfer engine), e2e", runBench},
+		{"keygen", "write a CURVE key pair for auth.mode curve", runKeygen},
 		{"version", "print the version", func(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			fmt.Fprintln(stdout, "kvflow", version)
 			return nil

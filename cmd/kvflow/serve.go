@@ -85,7 +85,7 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 	if err != nil {
 		return err
 	}
-	ctl, err := control.Serve(ctx, n.ZMQ, cfg.ControlEndpoint(), backend(n))
+	ctl, err := control.Serve(ctx, n.ZMQ, cfg.ControlEndpoint(), backend(n), n.Curve)
 	if err != nil {
 		closeCtx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strings"
 	"time"
 
 	"github.com/vmihailenco/msgpack/v5"
@@ -327,9 +328,14 @@ func nonNilF(s []decode.Failure) []decode.Failure {
 	return s
 }
 
-// Serve binds the control socket at endpoint on zctx.
-func Serve(ctx context.Context, zctx *sidechannel.Context, endpoint string, b Backend) (*sidechannel.Server, error) {
-	srv, err := sidechannel.NewRouter(zctx, sidechannel.ServerOptions{Addr: endpoint, MaxMessageBytes: 64 << 20},
+// Serve binds the control socket at endpoint on zctx. curve, if set,
+// authenticates tcp:// endpoints (an ipc:// socket is guarded by its file's
+// permissions and stays plain, so a local engine needs no keys).
+func Serve(ctx context.Context, zctx *sidechannel.Context, endpoint string, b Backend, curve *sidechannel.Curve) (*sidechannel.Server, error) {
+	if !strings.HasPrefix(endpoint, "tcp://") {
+		curve = nil
+	}
+	srv, err := sidechannel.NewRouter(zctx, sidechannel.ServerOptions{Addr: endpoint, MaxMessageBytes: 64 << 20, Curve: curve},
 		func(p []byte) []byte { return Encode(Dispatch(ctx, b, p)) })
 	if err != nil {
 		return nil, fmt.Errorf("control socket %s: %w", endpoint, err)

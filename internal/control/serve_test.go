@@ -23,7 +23,7 @@ func serve(t *testing.T, b Backend) (endpoint string) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	endpoint = "ipc://" + filepath.Join(t.TempDir(), "ctl.sock")
-	srv, err := Serve(ctx, zctx, endpoint, b)
+	srv, err := Serve(ctx, zctx, endpoint, b, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -242,7 +242,7 @@ func TestServeBadEndpoint(t *testing.T) {
 	}
 	defer zctx.Close()
 	for _, ep := range []string{"", "ctl.sock", "ipc://", "udp://x"} {
-		if srv, err := Serve(context.Background(), zctx, ep, Backend{}); err == nil {
+		if srv, err := Serve(context.Background(), zctx, ep, Backend{}, nil); err == nil {
 			srv.Close()
 			t.Fatalf("%q accepted", ep)
 		} else if !strings.Contains(err.Error(), "control socket") {

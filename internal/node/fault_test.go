@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -11,8 +12,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/prefill"
+	"github.com/kvflow/kvflow/internal/sidechannel"
 )
 
 func load(t *testing.T, d *Node, id string, local, remote []int, port int, engine string) error {
@@ -271,5 +274,71 @@ func TestReadGrantsFence(t *testing.T) {
 	}
 	if r := waitResult(t, c, 10*time.Second); r.Err == nil {
 		t.Fatal("read of blocks never granted succeeded")
+	}
+}
+
+// With auth.mode curve, a decode worker holding the keys pulls; one without
+// them cannot fetch metadata, and its request fails (never done).
+func TestCurveAuth(t *testing.T) {
+	dir := t.TempDir()
+	keys := func(name string) (sec, pub string) {
+		sec, pub = filepath.Join(dir, name+".key"), filepath.Join(dir, name+".pub")
+		if _, err := sidechannel.WriteKeyPair(sec, pub); err != nil {
+			t.Fatal(err)
+		}
+		return sec, pub
+	}
+	pSec, pPub := keys("prefill")
+	dSec, dPub := keys("decode")
+	tp := topo{prefillTP: 1, decodeTP: 1, model: gqa(2)}
+	var p, good, bad *Node
+	results := make(chan decode.Result, 4)
+	var kvPort int
+	for range 8 {
+		kvPort = 20000 + int(time.Now().UnixNano()%30000)
+		pc := baseConfig(tp, "prefill", kvPort)
+		pc.Auth = config.Auth{Mode: config.AuthCurve, SecretKeyFile: pSec, PublicKeyFile: pPub}
+		var err error
+		if p, err = Start(pc, Deps{}); err == nil {
+			break
+		}
+	}
+	if p == nil {
+		t.Fatal("prefill did not start")
+	}
+	defer p.Close(context.Background())
+	gc := baseConfig(tp, "decode", kvPort+1000)
+	gc.Auth = config.Auth{Mode: config.AuthCurve, SecretKeyFile: dSec, PublicKeyFile: dPub, ServerPublicKeyFile: pPub}
+	good, err := Start(gc, Deps{OnFinish: func(r decode.Result) { results <- r }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer good.Close(context.Background())
+	bad, err = Start(baseConfig(tp, "decode", kvPort+1001), Deps{OnFinish: func(r decode.Result) { results <- r }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bad.Close(context.Background())
+	p.Prefill.Send([]prefill.SendRequest{{RequestID: "a", BlockIDs: []int{1}}, {RequestID: "b", BlockIDs: []int{2}}})
+	load := func(n *Node, id string, b int) {
+		n.Decode.Load(context.Background(), []decode.LoadRequest{{RequestID: id, LocalBlockIDs: []int{b},
+			Params: decode.KVTransferParams{RemoteBlockIDs: []int{b}, RemoteEngineID: "P", RemoteHost: "127.0.0.1", RemotePort: kvPort}}})
+	}
+	load(good, "a", 1)
+	load(bad, "b", 2)
+	got := map[string]error{}
+	for range 2 {
+		select {
+		case r := <-results:
+			got[r.RequestID] = r.Err
+		case <-time.After(20 * time.Second):
+			t.Fatal("no result")
+		}
+	}
+	if got["a"] != nil {
+		t.Errorf("authorized decode failed: %v", got["a"])
+	}
+	if got["b"] == nil || !strings.Contains(got["b"].Error(), "handshake") {
+		t.Errorf("decode without keys: %v", got["b"])
 	}
 }

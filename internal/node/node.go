@@ -42,6 +42,9 @@ type Node struct {
 	Server  *sidechannel.Server
 	Decode  *decode.Worker
 	Prefill *prefill.Worker
+	// Curve is the side channel's CURVE configuration when auth.mode is
+	// curve (nil: plain, seed-compatible).
+	Curve *sidechannel.Curve
 
 	deps    Deps
 	closers []func(context.Context) error
@@ -109,6 +112,14 @@ func Start(cfg config.Config, deps Deps) (_ *Node, err error) {
 		return nil, fmt.Errorf("node: register kv cache: %w", err)
 	}
 
+	if cfg.Auth.Mode == config.AuthCurve {
+		c, err := sidechannel.LoadCurveKeys(cfg.Auth.SecretKeyFile, cfg.Auth.PublicKeyFile,
+			cfg.Auth.ServerPublicKeyFile, cfg.Auth.AuthorizedKeysFile)
+		if err != nil {
+			return nil, fmt.Errorf("node: auth keys: %w", err)
+		}
+		n.Curve = &c
+	}
 	n.ZMQ, err = sidechannel.NewContext(sidechannel.ContextOptions{Registerer: deps.Registerer, Logger: log})
 	if err != nil {
 		return nil, fmt.Errorf("node: side channel: %w", err)
@@ -135,6 +146,7 @@ func (n *Node) startDecode(log *slog.Logger, layout npu.Layout) error {
 	sc.AttemptTimeout = cfg.Handshake.Timeout.D()
 	sc.Attempts = cfg.Handshake.Attempts
 	sc.RetryBackoff = cfg.Handshake.RetryBackoff.D()
+	sc.Curve = n.Curve
 	c, err := sidechannel.NewClient(n.ZMQ, sc)
 	if err != nil {
 		return fmt.Errorf("node: side-channel client: %w", err)
@@ -199,7 +211,8 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 	}
 	n.Prefill = w
 	srv, err := sidechannel.NewServer(n.ZMQ, sidechannel.ServerOptions{
-		Addr: net.JoinHostPort(cfg.Node.SideChannelHost, strconv.Itoa(cfg.HandshakePort())),
+		Addr:  net.JoinHostPort(cfg.Node.SideChannelHost, strconv.Itoa(cfg.HandshakePort())),
+		Curve: n.Curve,
 	}, w)
 	if err != nil {
 		return fmt.Errorf("node: side-channel server on port %d: %w", cfg.HandshakePort(), err)

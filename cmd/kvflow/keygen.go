@@ -1,0 +1,30 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+
+	"github.com/kvflow/kvflow/internal/sidechannel"
+)
+
+// runKeygen writes a CURVE key pair for auth.mode curve.
+func runKeygen(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("keygen", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	secret := fs.String("secret", "", "secret key `FILE` to create (mode 0600; never overwritten)")
+	public := fs.String("public", "", "public key `FILE` to create")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if *secret == "" || *public == "" {
+		return usagef("--secret FILE and --public FILE are required")
+	}
+	pub, err := sidechannel.WriteKeyPair(*secret, *public)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "wrote %s and %s (public key %s)\n", *secret, *public, pub)
+	return nil
+}
