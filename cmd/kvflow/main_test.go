@@ -4,13 +4,19 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
+
+	zmq "github.com/pebbe/zmq4"
+	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/kvflow/kvflow/internal/config"
 )
@@ -90,33 +96,54 @@ func TestDemoSmall(t *testing.T) {
 	}
 }
 
-// SIGTERM to a serving worker: it drains, reports and exits 0 in time.
+// SIGTERM to a serving worker under load: intake stops, the drain deadline
+// passes, the requests still in flight end as failed and are collected
+// through the control socket, and the process exits 0.
 func TestServeSIGTERM(t *testing.T) {
 	dir := t.TempDir()
+	// A prefill side channel that accepts and never answers: requests stay
+	// in the handshake stage until shutdown cancels them.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+		}
+	}()
 	cfg := config.Example(config.Decode)
 	cfg.Model.NumBlocks, cfg.Model.NumLayers, cfg.Model.BlockSize = 8, 2, 16
 	cfg.KVTransfer.KVPort = config.Port(20000 + os.Getpid()%20000)
 	cfg.Node.Control = "ipc://" + filepath.Join(dir, "d.sock")
 	cfg.Cache.NoHugePages = true
-	cfg.Shutdown.DrainTimeout = config.Duration(3 * time.Second)
+	cfg.Handshake.Timeout, cfg.Handshake.Attempts = config.Duration(20*time.Second), 1
+	cfg.Shutdown.DrainTimeout = config.Duration(time.Second)
 	cfgPath := filepath.Join(dir, "d.json")
 	f, _ := os.Create(cfgPath)
 	cfg.Print(f)
 	f.Close()
 	exe, _ := os.Executable()
 	cmd := exec.Command(exe, "serve", "--config", cfgPath, "--log-format", "json")
-	var stderr bytes.Buffer
+	var stderr lockedBuffer
 	cmd.Stderr = &stderr
 	out, _ := cmd.StdoutPipe()
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
+	done := make(chan error, 1)
 	ready := make(chan string, 1)
 	go func() {
 		sc := bufio.NewScanner(out)
 		for sc.Scan() {
 			ready <- sc.Text()
 		}
+		done <- cmd.Wait()
 	}()
 	select {
 	case line := <-ready:
@@ -127,10 +154,53 @@ func TestServeSIGTERM(t *testing.T) {
 		cmd.Process.Kill()
 		t.Fatalf("not ready: %s", stderr.String())
 	}
+	zctx, _ := zmq.NewContext()
+	defer zctx.Term()
+	sock, _ := zctx.NewSocket(zmq.REQ)
+	defer func() { sock.SetLinger(0); sock.Close() }()
+	sock.SetRcvtimeo(5 * time.Second)
+	sock.Connect(cfg.Node.Control)
+	call := func(msg map[string]any) map[string]any {
+		b, _ := msgpack.Marshal(msg)
+		if _, err := sock.SendBytes(b, 0); err != nil {
+			t.Fatalf("control send: %v", err)
+		}
+		rb, err := sock.RecvBytes(0)
+		if err != nil {
+			t.Fatalf("control recv: %v", err)
+		}
+		var r map[string]any
+		msgpack.Unmarshal(rb, &r)
+		return r
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	var reqs []map[string]any
+	for i := range 5 {
+		reqs = append(reqs, map[string]any{"request_id": fmt.Sprint("r", i), "local_block_ids": []int{i},
+			"kv_transfer_params": map[string]any{"remote_block_ids": []int{i}, "remote_engine_id": "P",
+				"remote_host": "127.0.0.1", "remote_port": port}})
+	}
+	if r := call(map[string]any{"op": "load", "requests": reqs}); r["ok"] != true {
+		t.Fatalf("load: %v", r)
+	}
 	start := time.Now()
 	cmd.Process.Signal(syscall.SIGTERM)
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
+	ended := map[string]bool{}
+	for len(ended) < 5 && time.Since(start) < 10*time.Second {
+		r := call(map[string]any{"op": "finished"})
+		if fs, ok := r["failed_recving"].([]any); ok {
+			for _, f := range fs {
+				ended[f.(map[string]any)["request_id"].(string)] = true
+			}
+		}
+		if ds, ok := r["done_recving"].([]any); ok && len(ds) > 0 {
+			t.Errorf("requests reported done without their bytes: %v", ds)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if len(ended) != 5 {
+		t.Fatalf("%d of 5 in-flight requests reported after SIGTERM", len(ended))
+	}
 	select {
 	case err := <-done:
 		if err != nil {
@@ -140,8 +210,22 @@ func TestServeSIGTERM(t *testing.T) {
 		cmd.Process.Kill()
 		t.Fatal("no exit after SIGTERM")
 	}
-	t.Logf("exited %v after SIGTERM", time.Since(start))
-	if !strings.Contains(stderr.String(), "stopped") {
-		t.Errorf("no clean stop logged: %s", stderr.String())
-	}
+	t.Logf("all 5 requests failed and collected, exit 0 after %v", time.Since(start))
+}
+
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
