@@ -43,7 +43,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	layers := fs.Int("layers", 0, "layers to allocate and move; 0 = as many of the model's 32 as fit --max-mem-gib")
 	maxMem := fs.Float64("max-mem-gib", 3, "cap on the KV caches of both sides together, GiB (checked before allocating)")
 	short := fs.Int("short", 0, "mixed: number of 1-block requests; 0 = the preset's (64)")
-	interval := fs.Duration("interval", 0, "mixed: arrival interval of the 1-block requests; 0 = the preset's (10ms)")
+	interval := fs.Duration("interval", 0, "mixed: arrival interval of the 1-block requests; 0 = the preset's (4ms)")
 	nverify := fs.Int("verify", 32, "requests per run verified byte by byte (evenly spread); -1 = all")
 	mode := fs.String("mode", "both", "both (= kvflow,serial), or the runs in order, e.g. serial,kvflow,serial,kvflow")
 	rawMiB := fs.Int("raw-mib", 1024, "MiB streamed for the raw TCP ceiling (0 skips it)")

@@ -85,4 +85,3 @@ func collect(ch chan error) []error {
 	}
 	return out
 }
-
