@@ -1,0 +1,344 @@
+package soak
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvflow/kvflow/hw/mooncake"
+	"github.com/kvflow/kvflow/internal/config"
+	"github.com/kvflow/kvflow/internal/decode"
+	"github.com/kvflow/kvflow/internal/faults"
+	"github.com/kvflow/kvflow/internal/node"
+	"github.com/kvflow/kvflow/internal/sidechannel"
+	"github.com/kvflow/kvflow/stages/job"
+	"github.com/kvflow/kvflow/stages/plan"
+)
+
+// Options shape a loopback cluster: prefill instances of PrefillTP ranks
+// each, one decode instance of DecodeTP ranks, all real workers (real
+// side channel over ZMQ, real TCP transfer engine, host memory caches).
+type Options struct {
+	// PrefillTP and DecodeTP are the instances' tensor-parallel sizes;
+	// PrefillTP >= DecodeTP keeps one DONE per prefill rank. 4 and 2: a
+	// stitch (P = 2) and two decode ranks reading different prefill ranks.
+	PrefillTP, DecodeTP int
+	// Prefills is the number of prefill instances at start. 2: one can be
+	// killed while the other keeps serving.
+	Prefills int
+	// Layers and Blocks size the model: 2 layers keep batches small; 128
+	// blocks per cache leave room for ~30 requests of up to 4 blocks.
+	Layers, Blocks int
+	// AbortTimeout is the prefill side's force-free timeout: a request whose
+	// DONE was dropped is freed after it. 2 s: far above a request's latency
+	// under the injected delays (tens of ms), short enough to wait out.
+	AbortTimeout time.Duration
+	// HandshakeTimeout is one side-channel attempt's timeout (3 attempts).
+	// 300 ms: a dead peer fails a request within ~1.5 s.
+	HandshakeTimeout time.Duration
+	Logger           *slog.Logger
+}
+
+// DefaultOptions are the options the driver tests use.
+func DefaultOptions() Options {
+	return Options{PrefillTP: 4, DecodeTP: 2, Prefills: 2, Layers: 2, Blocks: 128,
+		AbortTimeout: 2 * time.Second, HandshakeTimeout: 300 * time.Millisecond}
+}
+
+func (o Options) withDefaults() Options {
+	d := DefaultOptions()
+	if o.PrefillTP == 0 {
+		o.PrefillTP = d.PrefillTP
+	}
+	if o.DecodeTP == 0 {
+		o.DecodeTP = d.DecodeTP
+	}
+	if o.Prefills == 0 {
+		o.Prefills = d.Prefills
+	}
+	if o.Layers == 0 {
+		o.Layers = d.Layers
+	}
+	if o.Blocks == 0 {
+		o.Blocks = d.Blocks
+	}
+	if o.AbortTimeout == 0 {
+		o.AbortTimeout = d.AbortTimeout
+	}
+	if o.HandshakeTimeout == 0 {
+		o.HandshakeTimeout = d.HandshakeTimeout
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	return o
+}
+
+// Prefill is one prefill instance: PrefillTP ranks behind kv_port Port.
+type Prefill struct {
+	Name  string // engine id
+	Port  int
+	Ranks []*node.Node
+	Dead  bool
+}
+
+// DecodeRank is one decode rank: a node (its cache, engine and side-channel
+// client; the node's own decode worker stays idle) and the decode worker
+// of the current round, built with fault wrappers around adapters of the
+// node's client and engine.
+type DecodeRank struct {
+	Node   *node.Node
+	Worker *decode.Worker
+	Faults *faults.Injector
+
+	mu        sync.Mutex
+	doneSends map[doneKey]int // SendDone calls reaching the real client
+}
+
+type doneKey struct{ endpoint, id string }
+
+// DoneSent reports how many DONEs for request id to the side channel at
+// endpoint reached the real client (after fault injection: a dropped DONE
+// is not counted, a duplicated one twice).
+func (d *DecodeRank) DoneSent(endpoint, id string) int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.doneSends[doneKey{endpoint, id}]
+}
+
+func (d *DecodeRank) forget(endpoints []string, id string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, ep := range endpoints {
+		delete(d.doneSends, doneKey{ep, id})
+	}
+}
+
+// Cluster is a loopback cluster.
+type Cluster struct {
+	Opts    Options
+	Prefill []*Prefill
+	Decode  []*DecodeRank
+	next    int // prefill instances started
+}
+
+// Start starts a cluster; decode workers are built by Reset.
+func Start(o Options) (_ *Cluster, err error) {
+	o = o.withDefaults()
+	c := &Cluster{Opts: o}
+	defer func() {
+		if err != nil {
+			c.Close()
+		}
+	}()
+	for range o.Prefills {
+		if _, err := c.AddPrefill(); err != nil {
+			return nil, err
+		}
+	}
+	var lastErr error
+	for range 8 {
+		if lastErr = c.startDecode(20000 + rand.IntN(30000)); lastErr == nil {
+			return c, nil
+		}
+	}
+	return nil, fmt.Errorf("soak: start decode: %w", lastErr)
+}
+
+func (c *Cluster) config(role string, kvPort int, engine string) config.Config {
+	o := c.Opts
+	cfg := config.Default()
+	kv := &cfg.KVTransfer
+	kv.KVConnectorExtraConfig.Prefill = config.Parallel{TPSize: o.PrefillTP, DPSize: 1, PPSize: 1}
+	kv.KVConnectorExtraConfig.Decode = config.Parallel{TPSize: o.DecodeTP, DPSize: 1, PPSize: 1}
+	kv.KVPort = config.Port(kvPort)
+	kv.EngineID = engine
+	if role == "prefill" {
+		kv.KVRole = config.KVProducer
+	} else {
+		kv.KVRole = config.KVConsumer
+	}
+	cfg.Model = config.Model{NumLayers: o.Layers, NumKVHeads: 8, HeadDim: 16, BlockSize: 16, DType: "bf16", NumBlocks: o.Blocks}
+	cfg.Node.MetricsAddr = ""
+	cfg.Cache.NoHugePages = true
+	cfg.Handshake.Timeout = config.Duration(o.HandshakeTimeout)
+	cfg.Notify.Timeout = config.Duration(o.HandshakeTimeout)
+	cfg.Tracker.AbortRequestTimeout = config.Duration(o.AbortTimeout)
+	return cfg
+}
+
+// AddPrefill starts a new prefill instance on free ports.
+func (c *Cluster) AddPrefill() (*Prefill, error) {
+	var lastErr error
+	for range 8 {
+		port := 20000 + rand.IntN(30000)
+		p := &Prefill{Name: fmt.Sprintf("P%d", c.next), Port: port}
+		lastErr = nil
+		for r := range c.Opts.PrefillTP {
+			cfg := c.config("prefill", port, p.Name)
+			cfg.Rank = config.Rank{TP: r}
+			n, err := node.Start(cfg, node.Deps{Logger: c.Opts.Logger})
+			if err != nil {
+				lastErr = err
+				break
+			}
+			p.Ranks = append(p.Ranks, n)
+		}
+		if lastErr == nil {
+			c.next++
+			c.Prefill = append(c.Prefill, p)
+			return p, nil
+		}
+		closeNodes(p.Ranks)
+	}
+	return nil, fmt.Errorf("soak: start prefill instance: %w", lastErr)
+}
+
+// Kill closes every rank of p (a prefill instance dying); requests in
+// flight to it must fail.
+func (c *Cluster) Kill(p *Prefill) error {
+	if p.Dead {
+		return nil
+	}
+	p.Dead = true
+	return closeNodes(p.Ranks)
+}
+
+func closeNodes(ns []*node.Node) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var errs []error
+	for _, n := range ns {
+		if err := n.Close(ctx); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (c *Cluster) startDecode(port int) error {
+	var ranks []*DecodeRank
+	for r := range c.Opts.DecodeTP {
+		cfg := c.config("decode", port, "D")
+		cfg.Rank = config.Rank{TP: r}
+		n, err := node.Start(cfg, node.Deps{Logger: c.Opts.Logger})
+		if err != nil {
+			for _, d := range ranks {
+				closeNodes([]*node.Node{d.Node})
+			}
+			return err
+		}
+		ranks = append(ranks, &DecodeRank{Node: n, doneSends: map[doneKey]int{}})
+	}
+	c.Decode = ranks
+	return nil
+}
+
+// Reset closes the decode workers of the last round (draining them) and
+// builds new ones whose stage interfaces are wrapped by an injector of
+// sched(rank).
+func (c *Cluster) Reset(sched func(rank int) faults.Schedule) error {
+	if err := c.closeWorkers(); err != nil {
+		return err
+	}
+	for r, d := range c.Decode {
+		in, err := faults.New(sched(r))
+		if err != nil {
+			return err
+		}
+		n := d.Node
+		cfg := n.Config
+		attempts := time.Duration(max(1, cfg.Handshake.Attempts))
+		w, err := decode.New(decode.Options{
+			Topology:           cfg.Topology(),
+			Self:               cfg.Self(),
+			LocalEngineID:      cfg.KVTransfer.EngineID,
+			Fetcher:            in.Fetcher(fetcher{n.Client}),
+			Transfer:           in.Transfer(transfer{n.Engine}),
+			Sender:             in.Sender(sender{n.Client, d}),
+			Kernel:             n.Device,
+			Layout:             node.CacheLayout(n.Device.Layout()),
+			Local:              plan.Caches{Base: n.Device.BaseAddrs(), NumBlocks: n.Shape.NumBlocks},
+			HandshakeTimeout:   attempts * (cfg.Handshake.Timeout.D() + cfg.Handshake.RetryBackoff.D()),
+			NotifyTimeout:      time.Duration(max(1, cfg.Notify.Attempts)) * (cfg.Notify.Timeout.D() + cfg.Notify.RetryBackoff.D()),
+			PerSession:         cfg.Read.PerPeerConcurrency,
+			HandshakeCacheSize: cfg.Handshake.CacheSize,
+			Registerer:         prometheus.NewRegistry(),
+			Logger:             c.Opts.Logger,
+		})
+		if err != nil {
+			return err
+		}
+		d.Worker, d.Faults = w, in
+	}
+	return nil
+}
+
+func (c *Cluster) closeWorkers() error {
+	var errs []error
+	for _, d := range c.Decode {
+		if d.Worker == nil {
+			continue
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		errs = append(errs, d.Worker.Close(ctx))
+		cancel()
+		d.Worker = nil
+	}
+	return errors.Join(errs...)
+}
+
+// Close stops everything.
+func (c *Cluster) Close() error {
+	errs := []error{c.closeWorkers()}
+	for _, d := range c.Decode {
+		errs = append(errs, closeNodes([]*node.Node{d.Node}))
+	}
+	for _, p := range c.Prefill {
+		errs = append(errs, c.Kill(p))
+	}
+	c.Decode, c.Prefill = nil, nil
+	return errors.Join(errs...)
+}
+
+// The adapters below are node's (internal/node/adapters.go), plus a DONE
+// counter in the sender.
+
+type fetcher struct{ c *sidechannel.Client }
+
+func (f fetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, error) {
+	m, err := f.c.GetMeta(ctx, endpoint)
+	if err != nil {
+		return job.Meta{}, err
+	}
+	return job.Meta{EngineID: m.EngineID, TERPCPort: m.TERPCPort, BaseAddrs: m.KVCachesBaseAddr,
+		NumBlocks: m.NumBlocks, BootEpoch: m.Ext.BootEpoch}, nil
+}
+
+type transfer struct{ e mooncake.Engine }
+
+func (t transfer) BatchRead(ctx context.Context, session string, ops []plan.Op) error {
+	mops := make([]mooncake.Op, len(ops))
+	for i, op := range ops {
+		mops[i] = mooncake.Op{Local: op.Local, Remote: op.Remote, Length: op.Len}
+	}
+	return t.e.BatchRead(ctx, session, mops)
+}
+
+type sender struct {
+	c *sidechannel.Client
+	d *DecodeRank
+}
+
+func (s sender) SendDone(ctx context.Context, endpoint, reqID string) error {
+	s.d.mu.Lock()
+	s.d.doneSends[doneKey{endpoint, reqID}]++
+	s.d.mu.Unlock()
+	return s.c.SendDone(ctx, endpoint, reqID)
+}
