@@ -108,6 +108,12 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 	m := j.Metas[i]
 	ops, err := plan.Ops(s.opts.Layout, t, s.opts.Local, plan.Caches{Base: m.BaseAddrs, NumBlocks: m.NumBlocks})
 	if err != nil {
+		// The remote metadata may be what is wrong (a restarted peer with
+		// fewer blocks or other caches): drop it so the next job re-fetches
+		// instead of failing on the cached copy for ever.
+		if s.opts.Invalidate != nil {
+			s.opts.Invalidate(j, i)
+		}
 		return fmt.Errorf("read task %d (rank %d): %w", i, t.RemoteRank, err)
 	}
 	if len(ops) == 0 {
