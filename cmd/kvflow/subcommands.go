@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 
+	"github.com/kvflow/kvflow/internal/cli/benche2e"
 	"github.com/kvflow/kvflow/internal/cli/benchte"
 	"github.com/kvflow/kvflow/internal/cli/plancmd"
 )
@@ -14,7 +15,8 @@ func runPlan(ctx context.Context, args []string, stdout, stderr io.Writer) error
 
 // benchCommands are the subcommands of `kvflow bench`.
 var benchCommands = map[string]func(ctx context.Context, args []string, stdout, stderr io.Writer) error{
-	"te": benchte.Run,
+	"te":  benchte.Run,
+	"e2e": benche2e.Run,
 }
 
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
