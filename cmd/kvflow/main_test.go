@@ -229,3 +229,21 @@ func (l *lockedBuffer) String() string {
 	defer l.mu.Unlock()
 	return l.b.String()
 }
+
+// A side-channel port already in use is a usage error (exit 2) and leaves
+// nothing running.
+func TestServePortInUse(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	port := ln.Addr().(*net.TCPAddr).Port
+	dir := t.TempDir()
+	code, _, errOut := runCmd("serve", "--config", "../../internal/config/testdata/example-prefill.json",
+		"--kv-port", fmt.Sprint(port), "--tp-rank", "0", "--side-channel-host", "127.0.0.1", "--te-host", "127.0.0.1",
+		"--metrics-addr", "", "--cache", "anonymous", "--num-blocks", "4", "--control", "ipc://"+filepath.Join(dir, "c.sock"))
+	if code != exitUsage || !strings.Contains(strings.ToLower(errOut), "in use") {
+		t.Fatalf("exit %d: %s", code, errOut)
+	}
+}

@@ -6,16 +6,20 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"net"
 	"net/http"
+	"strings"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/kvflow/kvflow/hw/npu"
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/control"
 	"github.com/kvflow/kvflow/internal/decode"
@@ -83,6 +87,11 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 
 	n, err := node.Start(cfg, node.Deps{Registerer: reg, Logger: log})
 	if err != nil {
+		// A port already taken or a cache file that is not this worker's
+		// is the operator's to fix: exit 2, as for a bad config.
+		if isConfigProblem(err) {
+			return usageError{err}
+		}
 		return err
 	}
 	ctl, err := control.Serve(ctx, n.ZMQ, cfg.ControlEndpoint(), backend(n), n.Curve)
@@ -162,4 +171,12 @@ func backend(n *node.Node) control.Backend {
 		b.Status = w.Status
 	}
 	return b
+}
+
+func isConfigProblem(err error) bool {
+	if errors.Is(err, syscall.EADDRINUSE) || errors.Is(err, npu.ErrBadFile) || errors.Is(err, fs.ErrExist) {
+		return true
+	}
+	msg := strings.ToLower(err.Error())
+	return strings.Contains(msg, "address already in use") || strings.Contains(msg, "address in use")
 }

@@ -31,6 +31,12 @@ func mla() config.Model {
 	return config.Model{NumLayers: 3, NumKVHeads: 1, BlockSize: 16, DType: "bf16", NumBlocks: 48, MLA: true, KVLoraRank: 64, QKRopeHeadDim: 16}
 }
 
+func sparse() config.Model {
+	m := mla()
+	m.Sparse, m.IndexerDim = true, 32
+	return m
+}
+
 // cluster is one prefill instance and one decode instance on loopback.
 type cluster struct {
 	t       *testing.T
@@ -128,6 +134,7 @@ func TestEndToEnd(t *testing.T) {
 		{name: "tp8-to-1-stitch", prefillTP: 8, decodeTP: 1, model: gqa(2)},
 		{name: "pp2-prefill", prefillTP: 2, decodeTP: 2, prefillPP: 2, model: gqa(5)},
 		{name: "mla-tp2-to-1", prefillTP: 2, decodeTP: 1, model: mla()},
+		{name: "sparse-tp2-to-2", prefillTP: 2, decodeTP: 2, model: sparse()},
 		{name: "prefix-hit", prefillTP: 2, decodeTP: 1, model: gqa(3), prefixHit: true},
 	}
 	for _, tc := range cases {
