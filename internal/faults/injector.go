@@ -130,7 +130,35 @@ func readKey(session string, ops []plan.Op) uint64 {
 	return h
 }
 
+// BatchRead runs ops under the schedule.
 func (t transfer) BatchRead(ctx context.Context, session string, ops []plan.Op) error {
+	return t.BatchReadLedger(ctx, session, ops, nil)
+}
+
+// BatchReadLedger runs ops under the schedule and, when landed is not nil,
+// reports per op the bytes that really ran — the byte counters of an
+// engine whose completion status lies (a ShortRead returns nil, but its
+// skipped ops show 0 bytes landed). The inner transfer's own ledger is used
+// when it has one.
+func (t transfer) BatchReadLedger(ctx context.Context, session string, ops []plan.Op, landed []uint64) error {
+	run := func(ops []plan.Op, landed []uint64) error {
+		if lt, ok := t.t.(read.LedgerTransfer); ok && landed != nil {
+			return lt.BatchReadLedger(ctx, session, ops, landed)
+		}
+		err := t.t.BatchRead(ctx, session, ops)
+		if err == nil && landed != nil {
+			for i, op := range ops {
+				landed[i] = op.Len
+			}
+		}
+		return err
+	}
+	sub := func(n int) []uint64 {
+		if landed == nil {
+			return nil
+		}
+		return landed[:n]
+	}
 	d := t.in.decide(Read, readKey(session, ops), len(ops))
 	switch d.Kind {
 	case Fail:
@@ -141,7 +169,7 @@ func (t transfer) BatchRead(ctx context.Context, session string, ops []plan.Op) 
 		}
 	case Truncate, ShortRead:
 		if d.Keep > 0 {
-			if err := t.t.BatchRead(ctx, session, ops[:d.Keep]); err != nil {
+			if err := run(ops[:d.Keep], sub(d.Keep)); err != nil {
 				return err
 			}
 		}
@@ -150,11 +178,11 @@ func (t transfer) BatchRead(ctx context.Context, session string, ops []plan.Op) 
 		}
 		return injected(Read, Truncate, fmt.Sprintf("%s: %d of %d ops run", session, d.Keep, len(ops)))
 	case Duplicate:
-		if err := t.t.BatchRead(ctx, session, ops); err != nil {
+		if err := run(ops, sub(len(ops))); err != nil {
 			return err
 		}
 	}
-	return t.t.BatchRead(ctx, session, ops)
+	return run(ops, sub(len(ops)))
 }
 
 type fetcher struct {

@@ -155,9 +155,10 @@ func TestPrefillKilled(t *testing.T) {
 }
 
 // A transfer that runs only some of a batch's ops and reports success (a
-// silent partial transfer) must fail the request: the byte ledger's job
-// (issue 7 item 2). Until it exists the request ends done with missing
-// bytes; this test shows it and skips.
+// silent partial transfer) must fail the request: the read stage's byte
+// ledger (stages/read LedgerTransfer) reconciles the bytes that landed per
+// op with the manifest it posted. Were the ledger bypassed, the request
+// would end done with missing bytes; the test would then skip naming it.
 func TestShortReadGap(t *testing.T) {
 	c := startCluster(t, Options{PrefillTP: 1, DecodeTP: 1, Prefills: 1})
 	rep := round(t, c, faults.Schedule{Seed: 5, Read: faults.Rates{ShortRead: 1}}, Load{Requests: 30, Seed: 5, Prefix: "short-"})

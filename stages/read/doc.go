@@ -9,6 +9,13 @@
 // invalidates the peer's cached metadata (it may have restarted with new
 // addresses) so the next job re-fetches it.
 //
+// Byte ledger: when the transfer also reports the bytes that landed per op
+// (LedgerTransfer), the stage reconciles them with the manifest it posted;
+// any op short of its length fails the job (ErrShortfall), even when the
+// batch said it succeeded. The TCP engine's batches are all-or-nothing, so
+// its adapter needs no ledger; engines that report transferred bytes per
+// task (Mooncake's C API) plug in here.
+//
 // The package never touches sockets or memory itself; it calls a Transfer
 // (hw/mooncake in production). A job whose read fails is failed with the
 // task, the session and the engine's error; the bytes it did move are not

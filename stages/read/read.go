@@ -20,6 +20,21 @@ type Transfer interface {
 	BatchRead(ctx context.Context, session string, ops []plan.Op) error
 }
 
+// LedgerTransfer is a Transfer that also reports, per op, the bytes that
+// landed in local memory (Mooncake's transferred_bytes; the TCP engine's
+// received byte counts). The read stage reconciles that ledger with the
+// manifest it posted and fails the job on any shortfall, even when the
+// batch itself reported success.
+type LedgerTransfer interface {
+	Transfer
+	// BatchReadLedger is BatchRead that sets landed[i] to the bytes of
+	// ops[i] that reached local memory; len(landed) == len(ops).
+	BatchReadLedger(ctx context.Context, session string, ops []plan.Op, landed []uint64) error
+}
+
+// ErrShortfall marks a batch whose ledger shows fewer bytes than posted.
+var ErrShortfall = errors.New("read: byte ledger shortfall")
+
 // Invalidator drops cached metadata of task i of j (the handshake cache).
 type Invalidator func(j *job.Job, task int)
 
@@ -51,6 +66,7 @@ type Stage struct {
 	sems map[string]chan struct{}
 
 	bytes, ops, failures prometheus.Counter
+	shortfalls           prometheus.Counter
 	waiting              prometheus.Gauge
 }
 
@@ -69,9 +85,10 @@ func New(t Transfer, opts Options) (*Stage, error) {
 	s.bytes = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_bytes_total", Help: "Bytes read from prefill ranks (successful batches)."})
 	s.ops = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_ops_total", Help: "Transfer ops posted (successful batches)."})
 	s.failures = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_batch_failures_total", Help: "Batches that failed."})
+	s.shortfalls = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_ledger_shortfalls_total", Help: "Batches that reported success but whose byte ledger showed ops not fully landed (the job fails)."})
 	s.waiting = prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvflow_read_session_waiting", Help: "Batches waiting for their session's concurrency limit."})
 	if opts.Registerer != nil {
-		for _, c := range []prometheus.Collector{s.bytes, s.ops, s.failures, s.waiting} {
+		for _, c := range []prometheus.Collector{s.bytes, s.ops, s.failures, s.shortfalls, s.waiting} {
 			if err := opts.Registerer.Register(c); err != nil {
 				return nil, fmt.Errorf("read: register metrics: %w", err)
 			}
@@ -139,7 +156,7 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 		}
 	}
 	defer func() { <-sem }()
-	if err := s.t.BatchRead(ctx, session, ops); err != nil {
+	if err := s.batch(ctx, session, ops); err != nil {
 		s.failures.Inc()
 		if s.opts.Invalidate != nil && ctx.Err() == nil {
 			s.opts.Invalidate(j, i)
@@ -155,4 +172,38 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 	s.bytes.Add(float64(n))
 	s.ops.Add(float64(len(ops)))
 	return nil
+}
+
+// batch runs ops; with a LedgerTransfer it reconciles what landed with the
+// manifest (ops) and turns any shortfall into an error naming the first
+// short op.
+func (s *Stage) batch(ctx context.Context, session string, ops []plan.Op) error {
+	lt, ok := s.t.(LedgerTransfer)
+	if !ok {
+		return s.t.BatchRead(ctx, session, ops)
+	}
+	landed := make([]uint64, len(ops))
+	if err := lt.BatchReadLedger(ctx, session, ops, landed); err != nil {
+		return err
+	}
+	short, missing := 0, uint64(0)
+	first := -1
+	for i, op := range ops {
+		if landed[i] != op.Len {
+			short++
+			if landed[i] < op.Len {
+				missing += op.Len - landed[i]
+			}
+			if first < 0 {
+				first = i
+			}
+		}
+	}
+	if short == 0 {
+		return nil
+	}
+	s.shortfalls.Inc()
+	op := ops[first]
+	return fmt.Errorf("%w: %d of %d ops incomplete, %d bytes missing; first: op %d local %#x remote %#x landed %d of %d bytes",
+		ErrShortfall, short, len(ops), missing, first, op.Local, op.Remote, landed[first], op.Len)
 }
