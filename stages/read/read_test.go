@@ -1,0 +1,123 @@
+package read
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvflow/kvflow/stages/job"
+	"github.com/kvflow/kvflow/stages/plan"
+)
+
+type fakeTransfer struct {
+	short    bool // the ledger shows the last op short; the batch says ok
+	fail     error
+	inflight atomic.Int32
+	peak     atomic.Int32
+}
+
+func (f *fakeTransfer) BatchRead(ctx context.Context, session string, ops []plan.Op) error {
+	return f.BatchReadLedger(ctx, session, ops, make([]uint64, len(ops)))
+}
+
+func (f *fakeTransfer) BatchReadLedger(ctx context.Context, session string, ops []plan.Op, landed []uint64) error {
+	n := f.inflight.Add(1)
+	defer f.inflight.Add(-1)
+	for {
+		p := f.peak.Load()
+		if n <= p || f.peak.CompareAndSwap(p, n) {
+			break
+		}
+	}
+	if f.fail != nil {
+		return f.fail
+	}
+	for i, op := range ops {
+		landed[i] = op.Len
+	}
+	if f.short {
+		landed[len(ops)-1] /= 2
+	}
+	return nil
+}
+
+var testNow = time.Unix(0, 0)
+
+func testJob(tasks int) *job.Job {
+	j := job.New(plan.Request{ID: "r"}, testNow)
+	j.Plan = plan.Plan{RemoteHost: "127.0.0.1", P: 1}
+	for range tasks {
+		j.Plan.Tasks = append(j.Plan.Tasks, plan.Task{P: 1, HandshakePort: 30000, LayerStart: 0, LayerEnd: 2,
+			LocalBlockIDs: []int{0, 1}, RemoteBlockIDs: []int{2, 3}})
+		j.Metas = append(j.Metas, job.Meta{EngineID: "P", TERPCPort: 17000, BaseAddrs: []uint64{1 << 30, 2 << 30, 3 << 30, 4 << 30}, NumBlocks: 8})
+	}
+	return j
+}
+
+func newStage(t *testing.T, f *fakeTransfer, inv Invalidator) *Stage {
+	t.Helper()
+	s, err := New(f, Options{
+		Layout:     plan.CacheLayout{BlockLen: []uint64{4096}, CachesPerLayer: 2},
+		Local:      plan.Caches{Base: []uint64{5 << 30, 6 << 30, 7 << 30, 8 << 30}, NumBlocks: 8},
+		PerSession: 2, Invalidate: inv,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func TestLedger(t *testing.T) {
+	cases := []struct {
+		name      string
+		f         *fakeTransfer
+		wantErr   error
+		wantBytes uint64
+		wantInval bool
+	}{
+		{"complete", &fakeTransfer{}, nil, 4 * 2 * 4096, false},
+		{"short but reported ok", &fakeTransfer{short: true}, ErrShortfall, 0, true},
+		{"failed batch", &fakeTransfer{fail: errors.New("peer closed")}, nil, 0, true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			var invalidated atomic.Bool
+			s := newStage(t, tc.f, func(*job.Job, int) { invalidated.Store(true) })
+			j := testJob(1)
+			err := s.Process(context.Background(), j)
+			switch {
+			case tc.f.fail != nil:
+				if err == nil {
+					t.Fatal("failed batch not reported")
+				}
+			case tc.wantErr != nil:
+				if !errors.Is(err, tc.wantErr) {
+					t.Fatalf("err %v, want %v", err, tc.wantErr)
+				}
+			case err != nil:
+				t.Fatal(err)
+			}
+			if got := j.BytesRead.Load(); got != tc.wantBytes {
+				t.Errorf("bytes %d, want %d", got, tc.wantBytes)
+			}
+			if invalidated.Load() != tc.wantInval {
+				t.Errorf("invalidated %v, want %v", invalidated.Load(), tc.wantInval)
+			}
+		})
+	}
+}
+
+// The tasks of one job run concurrently, bounded by the per-session limit.
+func TestPerSessionLimit(t *testing.T) {
+	f := &fakeTransfer{}
+	s := newStage(t, f, nil)
+	j := testJob(6)
+	if err := s.Process(context.Background(), j); err != nil {
+		t.Fatal(err)
+	}
+	if p := f.peak.Load(); p > 2 {
+		t.Fatalf("%d batches at once against one session, limit 2", p)
+	}
+}
