@@ -22,8 +22,8 @@ type TCPConfig struct {
 
 	// Lanes is the number of persistent data connections per peer.
 	Lanes int
-	// QueueDepth bounds the ops queued per peer before a batch submitter
-	// blocks.
+	// QueueDepth bounds the requests queued per peer: a batch submitter
+	// waits while this many are queued, then queues all of its own.
 	QueueDepth int
 	// ChunkSize is the largest single request and socket read/write: ops
 	// longer than this are split into several requests spread over lanes.
@@ -121,7 +121,7 @@ func (c *TCPConfig) RegisterFlags(fs *flag.FlagSet, prefix string) {
 	fs.IntVar(&c.RPCPort, prefix+"rpc-port", c.RPCPort, "handshake (rpc) port, 0 = any free port")
 	fs.IntVar(&c.DataPort, prefix+"data-port", c.DataPort, "data port, 0 = any free port")
 	fs.IntVar(&c.Lanes, prefix+"lanes", c.Lanes, "persistent connections per peer")
-	fs.IntVar(&c.QueueDepth, prefix+"queue-depth", c.QueueDepth, "ops queued per peer")
+	fs.IntVar(&c.QueueDepth, prefix+"queue-depth", c.QueueDepth, "requests queued per peer before a batch waits")
 	fs.IntVar(&c.ChunkSize, prefix+"chunk-size", c.ChunkSize, "largest request and socket I/O in bytes")
 	fs.IntVar(&c.MaxFrame, prefix+"max-frame", c.MaxFrame, "handshake frame length cap in bytes")
 	fs.DurationVar(&c.ConnectTimeout, prefix+"connect-timeout", c.ConnectTimeout, "dial timeout")

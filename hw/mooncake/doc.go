@@ -67,7 +67,10 @@
 //
 // Per peer, Lanes persistent connections, each owned by one goroutine
 // that takes requests from the peer's bounded queue, so the ops of a batch
-// spread over the lanes; ops longer than ChunkSize are split. Reads land
+// spread over the lanes; ops longer than ChunkSize are split. The queue
+// keeps requests per batch and lanes serve the batches round-robin, one
+// request each in turn, so a small batch is not stuck behind every request
+// of a large one queued before it. Reads land
 // straight in the destination memory and writes leave straight from the
 // source (no staging copies), in socket I/O of up to ChunkSize (4 MiB).
 // Completion is a channel close: nothing spins or polls. Every goroutine

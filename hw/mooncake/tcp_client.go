@@ -35,6 +35,10 @@ type batch struct {
 
 	mu   sync.Mutex
 	errs []error
+
+	// Guarded by the peer's queue lock.
+	tasks  []task // every request of the batch
+	issued int    // tasks[:issued] have been taken by a lane
 }
 
 func (b *batch) fail(i int, err error) {
@@ -142,29 +146,26 @@ func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode 
 			b.left[i].Add(1)
 		}
 	}
+	b.tasks = tasks
 	b.pending.Store(int64(len(tasks)))
 
 	stop := context.AfterFunc(ctx, func() {
 		b.cancelled.Store(true)
+		// Requests no lane has taken yet end here; those in flight are
+		// aborted by their lanes.
+		for _, t := range p.q.withdraw(b) {
+			b.finish(t.op, ctx.Err())
+		}
 		for _, l := range p.lanes {
 			l.interrupt(b)
 		}
 	})
 	defer stop()
 
-	for k := range tasks {
-		select {
-		case p.work <- &tasks[k]:
-			continue
-		case <-ctx.Done():
-			err = ctx.Err()
-		case <-e.done:
-			err = ErrClosed
+	if err := p.q.add(ctx, e.done, b); err != nil {
+		for _, t := range tasks {
+			b.finish(t.op, err)
 		}
-		for j := k; j < len(tasks); j++ {
-			b.finish(tasks[j].op, err)
-		}
-		break
 	}
 
 	select {
@@ -187,14 +188,126 @@ func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode 
 	return nil
 }
 
+// queue is a peer's requests not yet taken by a lane, kept per batch.
+// Lanes take from the batches round-robin, one request at a time, so a
+// small batch submitted behind a large one waits for about one request
+// per lane, not for the whole large batch (no head-of-line blocking).
+type queue struct {
+	depth int           // admission bound on queued requests
+	kick  chan struct{} // capacity Lanes: a token wakes one idle lane
+
+	mu     sync.Mutex
+	ring   []*batch      // batches with requests not yet taken, in turn order
+	next   int           // ring index whose batch the next take serves
+	queued int           // requests not yet taken, over all of ring
+	room   chan struct{} // closed (and replaced) when queued drops below depth
+}
+
+func newQueue(depth, lanes int) *queue {
+	return &queue{depth: depth, kick: make(chan struct{}, lanes), room: make(chan struct{})}
+}
+
+// add queues all of b's requests; it waits (ctx, done permitting) while
+// depth requests are already queued on the peer. b is served next.
+func (q *queue) add(ctx context.Context, done <-chan struct{}, b *batch) error {
+	q.mu.Lock()
+	for q.queued >= q.depth {
+		room := q.room
+		q.mu.Unlock()
+		select {
+		case <-room:
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-done:
+			return ErrClosed
+		}
+		q.mu.Lock()
+	}
+	if q.next > len(q.ring) {
+		q.next = 0
+	}
+	q.ring = append(q.ring, nil)
+	copy(q.ring[q.next+1:], q.ring[q.next:])
+	q.ring[q.next] = b
+	q.queued += len(b.tasks)
+	q.mu.Unlock()
+	// Wake up to one idle lane per request. A token that does not fit
+	// is not needed: Lanes tokens already pending wake every idle lane,
+	// and a woken lane keeps taking until the queue is empty.
+	for range min(len(b.tasks), cap(q.kick)) {
+		select {
+		case q.kick <- struct{}{}:
+		default:
+		}
+	}
+	return nil
+}
+
+// take returns the next request of the next batch in turn, or nil.
+func (q *queue) take() *task {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if len(q.ring) == 0 {
+		return nil
+	}
+	if q.next >= len(q.ring) {
+		q.next = 0
+	}
+	b := q.ring[q.next]
+	t := &b.tasks[b.issued]
+	b.issued++
+	if b.issued == len(b.tasks) {
+		q.removeAt(q.next) // next now names the following batch
+	} else {
+		q.next++
+	}
+	q.dequeued(1)
+	return t
+}
+
+// withdraw removes b from the queue and returns its requests no lane has
+// taken.
+func (q *queue) withdraw(b *batch) []task {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for i, o := range q.ring {
+		if o == b {
+			rest := b.tasks[b.issued:]
+			b.issued = len(b.tasks)
+			q.removeAt(i)
+			q.dequeued(len(rest))
+			return rest
+		}
+	}
+	return nil
+}
+
+func (q *queue) removeAt(i int) {
+	copy(q.ring[i:], q.ring[i+1:])
+	q.ring[len(q.ring)-1] = nil
+	q.ring = q.ring[:len(q.ring)-1]
+	if i < q.next {
+		q.next--
+	}
+}
+
+func (q *queue) dequeued(n int) {
+	was := q.queued
+	q.queued -= n
+	if was >= q.depth && q.queued < q.depth {
+		close(q.room)
+		q.room = make(chan struct{})
+	}
+}
+
 // peer is the initiator side of one session: its segment descriptor and
-// its lanes, which pull requests from work.
+// its lanes, which take requests from q.
 type peer struct {
 	e       *TCPEngine
 	session string
 	host    string
 	rpcPort int
-	work    chan *task
+	q       *queue
 	lanes   []*lane
 
 	mu       sync.Mutex // guards the fields below; held during a handshake
@@ -228,7 +341,7 @@ func (e *TCPEngine) peer(ctx context.Context, session string) (*peer, error) {
 	}
 	p := e.peers[session]
 	if p == nil {
-		p = &peer{e: e, session: session, host: host, rpcPort: port, work: make(chan *task, e.cfg.QueueDepth)}
+		p = &peer{e: e, session: session, host: host, rpcPort: port, q: newQueue(e.cfg.QueueDepth, e.cfg.Lanes)}
 		for i := range e.cfg.Lanes {
 			l := &lane{p: p, id: i}
 			p.lanes = append(p.lanes, l)
@@ -317,8 +430,16 @@ func (l *lane) run() {
 		select {
 		case <-e.done:
 			return
-		case t := <-l.p.work:
+		default:
+		}
+		if t := l.p.q.take(); t != nil {
 			l.do(t)
+			continue
+		}
+		select {
+		case <-e.done:
+			return
+		case <-l.p.q.kick:
 		}
 	}
 }
