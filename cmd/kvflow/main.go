@@ -1,5 +1,3 @@
-// Command kvflow moves KV-cache blocks from prefill workers to decode
-// workers in disaggregated LLM serving. See README.md.
 package main
 
 import (
