@@ -50,6 +50,11 @@ type Options struct {
 	// 4: enough to keep a TCP peer's lanes busy; the rest of the read
 	// workers stay free for other peers.
 	PerSession int
+	// SmallBatch: batches of at most this many bytes skip the per-session
+	// limit, so a short request is not queued behind the long requests
+	// holding every slot (the transfer engine interleaves batches on its
+	// lanes). 0 = 4 MiB: one or two blocks of a Llama-8B-like rank.
+	SmallBatch uint64
 	// Timeout bounds one task's batch, from the wait for its session's
 	// slot to the last byte; 0 = none beyond the engine's I/O timeout.
 	Timeout    time.Duration
@@ -80,6 +85,9 @@ func New(t Transfer, opts Options) (*Stage, error) {
 	}
 	if opts.PerSession <= 0 {
 		opts.PerSession = 4
+	}
+	if opts.SmallBatch == 0 {
+		opts.SmallBatch = 4 << 20
 	}
 	s := &Stage{t: t, opts: opts, sems: map[string]chan struct{}{}}
 	s.bytes = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_bytes_total", Help: "Bytes read from prefill ranks (successful batches)."})
@@ -142,30 +150,32 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 		ctx, cancel = context.WithTimeoutCause(ctx, s.opts.Timeout, fmt.Errorf("read: task %d exceeded read.timeout %v", i, s.opts.Timeout))
 		defer cancel()
 	}
-	sem := s.sem(session)
-	select {
-	case sem <- struct{}{}:
-	default:
-		s.waiting.Inc()
+	var n uint64
+	for _, op := range ops {
+		n += op.Len
+	}
+	if n > s.opts.SmallBatch {
+		sem := s.sem(session)
 		select {
 		case sem <- struct{}{}:
-			s.waiting.Dec()
-		case <-ctx.Done():
-			s.waiting.Dec()
-			return fmt.Errorf("read task %d session %s: %w", i, session, context.Cause(ctx))
+		default:
+			s.waiting.Inc()
+			select {
+			case sem <- struct{}{}:
+				s.waiting.Dec()
+			case <-ctx.Done():
+				s.waiting.Dec()
+				return fmt.Errorf("read task %d session %s: %w", i, session, context.Cause(ctx))
+			}
 		}
+		defer func() { <-sem }()
 	}
-	defer func() { <-sem }()
 	if err := s.batch(ctx, session, ops); err != nil {
 		s.failures.Inc()
 		if s.opts.Invalidate != nil && ctx.Err() == nil {
 			s.opts.Invalidate(j, i)
 		}
 		return fmt.Errorf("read task %d (rank %d) session %s, %d ops: %w", i, t.RemoteRank, session, len(ops), err)
-	}
-	var n uint64
-	for _, op := range ops {
-		n += op.Len
 	}
 	j.BytesRead.Add(n)
 	j.OpsRead.Add(uint64(len(ops)))

@@ -56,12 +56,12 @@ func testJob(tasks int) *job.Job {
 	return j
 }
 
-func newStage(t *testing.T, f *fakeTransfer, inv Invalidator) *Stage {
+func newStage(t *testing.T, f *fakeTransfer, inv Invalidator, small ...uint64) *Stage {
 	t.Helper()
 	s, err := New(f, Options{
 		Layout:     plan.CacheLayout{BlockLen: []uint64{4096}, CachesPerLayer: 2},
 		Local:      plan.Caches{Base: []uint64{5 << 30, 6 << 30, 7 << 30, 8 << 30}, NumBlocks: 8},
-		PerSession: 2, Invalidate: inv,
+		PerSession: 2, Invalidate: inv, SmallBatch: append(small, 0)[0],
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -112,7 +112,7 @@ func TestLedger(t *testing.T) {
 // The tasks of one job run concurrently, bounded by the per-session limit.
 func TestPerSessionLimit(t *testing.T) {
 	f := &fakeTransfer{}
-	s := newStage(t, f, nil)
+	s := newStage(t, f, nil, 1) // every batch counts against the limit
 	j := testJob(6)
 	if err := s.Process(context.Background(), j); err != nil {
 		t.Fatal(err)
