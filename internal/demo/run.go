@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+	"sync"
 	"time"
 
 	"github.com/schollz/progressbar/v3"
@@ -113,9 +114,15 @@ func (d *driver) run(ctx context.Context) (*Summary, error) {
 			}
 			r := &request{id: fmt.Sprintf("demo-%04d-%x", next, d.rng.Uint32()), remote: remote, local: local,
 				decodeDone: map[int]bool{}, prefillFreed: map[int]bool{}}
+			// The prefill ranks "compute" their blocks in parallel, as
+			// their devices would.
+			var fill sync.WaitGroup
 			for _, p := range d.prefill {
-				verify.FillBlocks(p.cache, p.cache.Layout().Shape().NumLayers, p.cache.Layout().NumParts(), p.rank, remote, plan.StringToInt64Hash(r.id))
+				fill.Go(func() {
+					verify.FillBlocks(p.cache, p.cache.Layout().Shape().NumLayers, p.cache.Layout().NumParts(), p.rank, remote, plan.StringToInt64Hash(r.id))
+				})
 			}
+			fill.Wait()
 			r.params = psched.requestFinished(r.id, remote, time.Now())
 			dsched.updateStateAfterAlloc(r.id, local, r.params)
 			byID[r.id] = r
@@ -182,21 +189,33 @@ func (d *driver) run(ctx context.Context) (*Summary, error) {
 				r.latency = time.Since(r.loaded)
 				if len(r.failed) == 0 {
 					s.Latencies = append(s.Latencies, r.latency)
-					for _, w := range d.decode {
-						pl, err := plan.PlanRequest(w.cfg.Topology(), w.cfg.Self(), plan.Request{ID: r.id, LocalBlockIDs: r.local,
-							RemoteBlockIDs: r.remote, RemoteHost: r.params.RemoteHost, RemotePort: r.params.RemotePort,
-							RemoteEngineID: r.params.RemoteEngineID, RemotePCPSize: 1, RemoteDCPSize: 1})
-						if err != nil {
-							return s, fmt.Errorf("demo: plan %s: %w", r.id, err)
-						}
-						bad, err := verify.Check(w.cache, pl, rowBytes, plan.StringToInt64Hash(r.id))
-						s.BadBytes += bad
-						if err != nil && len(s.Failures) < 5 {
-							s.Failures = append(s.Failures, err.Error())
+					// Check every decode rank's blocks, ranks in parallel.
+					bads := make([]int64, len(d.decode))
+					errs := make([]error, len(d.decode))
+					var check sync.WaitGroup
+					for k, w := range d.decode {
+						check.Go(func() {
+							pl, err := plan.PlanRequest(w.cfg.Topology(), w.cfg.Self(), plan.Request{ID: r.id, LocalBlockIDs: r.local,
+								RemoteBlockIDs: r.remote, RemoteHost: r.params.RemoteHost, RemotePort: r.params.RemotePort,
+								RemoteEngineID: r.params.RemoteEngineID, RemotePCPSize: 1, RemoteDCPSize: 1})
+							if err != nil {
+								errs[k] = fmt.Errorf("demo: plan %s: %w", r.id, err)
+								bads[k] = 1
+								return
+							}
+							bads[k], errs[k] = verify.Check(w.cache, pl, rowBytes, plan.StringToInt64Hash(r.id))
+						})
+					}
+					check.Wait()
+					before := s.BadBytes
+					for k := range d.decode {
+						s.BadBytes += bads[k]
+						if errs[k] != nil && len(s.Failures) < 5 {
+							s.Failures = append(s.Failures, errs[k].Error())
 						}
 						s.Bytes += decodeBlockBytes * int64(len(r.local))
 					}
-					if bad := s.BadBytes; bad == 0 {
+					if s.BadBytes == before {
 						s.Done++
 					} else {
 						s.Failed++
