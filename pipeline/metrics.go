@@ -42,9 +42,18 @@ type stageMetrics struct {
 	busy     *atomic.Int64
 	panics   prometheus.Counter
 	outcomes map[string]prometheus.Counter
+	ok, err  prometheus.Counter // outcomes["ok"], outcomes["error"]: the hot ones
 }
 
-func (s stageMetrics) outcome(o string) prometheus.Counter { return s.outcomes[o] }
+func (s stageMetrics) outcome(o string) prometheus.Counter {
+	switch o {
+	case outcomeOK:
+		return s.ok
+	case outcomeError:
+		return s.err
+	}
+	return s.outcomes[o]
+}
 
 // queueCollector reads queue depth from the channels at scrape time.
 type queueCollector struct {
@@ -150,6 +159,7 @@ func (m *metrics) forStage(name string, capacity int, depth func() float64) stag
 	for _, o := range stageOutcomes {
 		s.outcomes[o] = m.items.WithLabelValues(name, o)
 	}
+	s.ok, s.err = s.outcomes[outcomeOK], s.outcomes[outcomeError]
 	return s
 }
 
