@@ -228,6 +228,15 @@ type Tracker struct {
 	// AbortRequestTimeout force-frees a request not DONE within it (vLLM's
 	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT; kvflow does not read the variable).
 	AbortRequestTimeout Duration `json:"abort_request_timeout"`
+	// LeaseTTL turns leases on (prefill; 0 = off): the side channel's
+	// metadata advertises it and kvflow decode workers renew the requests
+	// they are still pulling every LeaseTTL/3. A renewed request is
+	// force-freed only when both its abort timeout and LeaseTTL since its
+	// last renewal passed, so a short abort_request_timeout no longer frees
+	// blocks a live kvflow decode still reads, and a dead decode's blocks
+	// are freed LeaseTTL after its last renewal. Seed decode workers never
+	// renew: for them abort_request_timeout alone applies, as in the seed.
+	LeaseTTL Duration `json:"lease_ttl"`
 }
 
 // Shutdown configures the two-phase shutdown.
@@ -362,6 +371,15 @@ func Default() Config {
 			// vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default, which the
 			// seed uses.
 			AbortRequestTimeout: Duration(480 * time.Second),
+			// 10 s: renewals every 3.3 s, one message per (decode worker,
+			// prefill rank) however many requests, so the cost is nil;
+			// a lease survives two lost renewals (each a side-channel call
+			// of at most 3 × 1 s), and a dead decode's blocks come back
+			// 10 s after its last renewal once the abort timeout is
+			// lowered. With the 480 s default the abort timeout still
+			// decides for dead decodes; leases only keep a live slow one
+			// from being force-freed.
+			LeaseTTL: Duration(10 * time.Second),
 		},
 		Shutdown: Shutdown{
 			// Inside Kubernetes' default 30 s termination grace period,

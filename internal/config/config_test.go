@@ -389,6 +389,12 @@ func TestValidate(t *testing.T) {
 		}, []string{"handshake.timeout: must be > 0", "handshake.retry_backoff: must be >= 0", "read.timeout: must be > 0",
 			"notify.timeout: must be > 0", "tracker.abort_request_timeout: must be > 0", "shutdown.drain_timeout: must be >= 0"}},
 		{"drain 0 allowed", Prefill, func(c *Config) { c.Shutdown.DrainTimeout = 0 }, nil},
+		{"lease off", Prefill, func(c *Config) { c.Tracker.LeaseTTL = 0 }, nil},
+		{"lease at the minimum", Prefill, func(c *Config) { c.Tracker.LeaseTTL = Duration(MinLeaseTTL) }, nil},
+		{"lease too short", Prefill, func(c *Config) { c.Tracker.LeaseTTL = Duration(10 * time.Millisecond) },
+			[]string{"tracker.lease_ttl: must be 0 (off) or >= 50ms, got 10ms"}},
+		{"lease negative", Prefill, func(c *Config) { c.Tracker.LeaseTTL = Duration(-time.Second) },
+			[]string{"tracker.lease_ttl: must be 0 (off) or >= 50ms, got -1s"}},
 		{"retries and cache", Decode, func(c *Config) {
 			c.Handshake.Attempts, c.Notify.Attempts, c.Handshake.CacheSize, c.Read.PerPeerConcurrency = 0, 0, 0, 0
 		}, []string{"handshake.attempts", "handshake.cache_size", "read.per_peer_concurrency", "notify.attempts"}},
@@ -677,6 +683,7 @@ func TestRegisterFlagsDefaultsAreCurrentValues(t *testing.T) {
 	for name, want := range map[string]string{
 		"role": "kv_consumer", "kv-port": "20101", "engine-id": "decode-0", "decode-tp": "2", "prefill-tp": "4",
 		"abort-timeout": "8m0s", "metrics-addr": "127.0.0.1:0", "cache": "anonymous", "read-workers": "8",
+		"lease-ttl": "10s",
 	} {
 		f := fs.Lookup(name)
 		if f == nil {

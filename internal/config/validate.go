@@ -6,6 +6,7 @@ import (
 	"net"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/kvflow/kvflow/hw/npu"
 )
@@ -252,6 +253,9 @@ func (c Config) validateSettings(v *validator) {
 		v.add("notify.retry_backoff", "must be >= 0, got %s", no.RetryBackoff.D())
 	}
 	v.positive("tracker.abort_request_timeout", c.Tracker.AbortRequestTimeout)
+	if l := c.Tracker.LeaseTTL; l != 0 && l < Duration(MinLeaseTTL) {
+		v.add("tracker.lease_ttl", "must be 0 (off) or >= %s, got %s", MinLeaseTTL, l.D())
+	}
 	if c.Shutdown.DrainTimeout < 0 {
 		v.add("shutdown.drain_timeout", "must be >= 0 (0 = cancel at once), got %s", c.Shutdown.DrainTimeout.D())
 	}
@@ -340,3 +344,8 @@ func rewrite(err error) error {
 	walk(err)
 	return errors.Join(out...)
 }
+
+// MinLeaseTTL is the shortest tracker.lease_ttl: decode workers renew every
+// TTL/3, so below ~50 ms renewals would be a busy loop of side-channel
+// calls, and one side-channel round trip could outlast the lease.
+const MinLeaseTTL = 50 * time.Millisecond

@@ -66,8 +66,12 @@ type Options struct {
 	Transfer read.Transfer
 	Kernel   stitch.Kernel
 	Sender   notify.Sender
-	Layout   plan.CacheLayout
-	Local    plan.Caches
+	// Renewer, if set, renews leases at the prefill ranks that advertise
+	// them (job.Meta.LeaseTTL > 0), for every request from its handshake to
+	// the end of its notify. Nil: never renew (the seed's behaviour).
+	Renewer Renewer
+	Layout  plan.CacheLayout
+	Local   plan.Caches
 
 	Stages StageSizes
 	// HandshakeCacheSize, HandshakeTimeout, NotifyTimeout, PerSession:
@@ -128,6 +132,7 @@ type Worker struct {
 	log  *slog.Logger
 	p    *pipeline.Pipeline[*job.Job]
 	hs   *handshake.Cache
+	rn   *renewer // nil without Options.Renewer
 
 	mu       sync.Mutex
 	inflight map[string]*job.Job
@@ -214,10 +219,17 @@ func New(o Options) (*Worker, error) {
 		return nil, err
 	}
 	st := o.Stages
+	var hsStage pipeline.Stage[*job.Job] = handshake.Stage{Cache: hs}
+	if o.Renewer != nil {
+		if w.rn, err = newRenewer(o.Renewer, w.log, reg); err != nil {
+			return nil, fmt.Errorf("decode: register metrics: %w", err)
+		}
+		hsStage = leaseStage{Stage: handshake.Stage{Cache: hs}, rn: w.rn}
+	}
 	p, err := pipeline.New(pipeline.Config[*job.Job]{
 		Stages: []pipeline.StageConfig[*job.Job]{
 			{Name: "plan", Workers: st.Plan.Workers, Capacity: st.Plan.Capacity, Stage: planstage.Stage{Topology: o.Topology, Self: o.Self}},
-			{Name: "handshake", Workers: st.Handshake.Workers, Capacity: st.Handshake.Capacity, Stage: handshake.Stage{Cache: hs}},
+			{Name: "handshake", Workers: st.Handshake.Workers, Capacity: st.Handshake.Capacity, Stage: hsStage},
 			{Name: "read", Workers: st.Read.Workers, Capacity: st.Read.Capacity, Stage: rd},
 			{Name: "stitch", Workers: st.Stitch.Workers, Capacity: st.Stitch.Capacity, Stage: stitch.Stage{Kernel: o.Kernel}},
 			{Name: "notify", Workers: st.Notify.Workers, Capacity: st.Notify.Capacity, Stage: nt, SeesFailed: true},
@@ -227,6 +239,9 @@ func New(o Options) (*Worker, error) {
 		Logger:     log,
 	})
 	if err != nil {
+		if w.rn != nil {
+			w.rn.close()
+		}
 		return nil, err
 	}
 	w.p = p
@@ -347,8 +362,15 @@ func (w *Worker) Status() Status {
 }
 
 // Close stops intake and drains in-flight requests until ctx ends; then
-// cancels the rest, which end as failed ("canceled").
-func (w *Worker) Close(ctx context.Context) error { return w.p.Close(ctx) }
+// cancels the rest, which end as failed ("canceled"). Leases are renewed
+// while requests drain, and renewals stop once the pipeline is closed.
+func (w *Worker) Close(ctx context.Context) error {
+	err := w.p.Close(ctx)
+	if w.rn != nil {
+		w.rn.close()
+	}
+	return err
+}
 
 func (w *Worker) sink(r pipeline.Result[*job.Job]) {
 	j := r.Item
@@ -371,6 +393,9 @@ func (w *Worker) sink(r pipeline.Result[*job.Job]) {
 		}
 	}
 	lat := time.Since(j.Submitted)
+	if w.rn != nil {
+		w.rn.remove(j.Req.ID)
+	}
 	w.mu.Lock()
 	delete(w.inflight, j.Req.ID)
 	if err == nil {

@@ -9,6 +9,16 @@
 // not). Requests overlap: many are in flight at once, each stage with its
 // own worker pool.
 //
+// Leases (kvflow ↔ kvflow): with Options.Renewer set, a request whose
+// remote ranks advertised a lease TTL in their metadata (job.Meta.LeaseTTL)
+// is renewed at those ranks from the end of its handshake until it ends:
+// one renewer goroutine per worker schedules, per endpoint, one RENEW with
+// all that endpoint's request ids every TTL/3 (and within 5 ms of a new
+// request's arrival, so the first renewal beats a short abort timeout);
+// each RENEW runs on its own goroutine, at most one per endpoint, so a
+// dead peer delays no one else. Close drains with renewals going, then
+// stops them and waits for the calls. Seed peers (no TTL) get no RENEW.
+//
 // The package wires stages; it owns no sockets or memory of its own (those
 // are injected as the stages' interfaces).
 package decode

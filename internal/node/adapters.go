@@ -19,7 +19,7 @@ func (f fetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, error)
 		return job.Meta{}, err
 	}
 	return job.Meta{EngineID: m.EngineID, TERPCPort: m.TERPCPort, BaseAddrs: m.KVCachesBaseAddr,
-		NumBlocks: m.NumBlocks, BootEpoch: m.Ext.BootEpoch}, nil
+		NumBlocks: m.NumBlocks, BootEpoch: m.Ext.BootEpoch, LeaseTTL: m.Ext.LeaseTTL}, nil
 }
 
 // transfer adapts a mooncake engine to read.Transfer.

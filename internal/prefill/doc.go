@@ -10,6 +10,13 @@
 // so a read that arrives after a force-free is refused rather than served
 // from memory the engine may have reused.
 //
+// Leases (Options.LeaseTTL > 0, kvflow ↔ kvflow): GET_META advertises the
+// TTL in the metadata extension (lease_ttl_ms), the worker takes RENEW, and
+// a held request renewed at t is not force-freed before max(start +
+// AbortTimeout, t + LeaseTTL) (package tracker). Seed decode workers never
+// renew, so for them nothing changes; the abort timeout can be short
+// without freeing blocks a live kvflow decode still reads.
+//
 // The package answers every DONE (known, unknown or duplicate) with ACK, as
 // the seed does, and counts the unknown and duplicate ones; it never frees
 // a request because of a DONE that was not expected.

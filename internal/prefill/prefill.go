@@ -31,9 +31,13 @@ type Options struct {
 	// AbortTimeout force-frees a held request never DONE. 480 s: vLLM's
 	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT default.
 	AbortTimeout time.Duration
-	// MaxRecords bounds the tracker's records (early DONEs and held
-	// requests); 0 = the tracker's default.
+	// MaxRecords bounds the tracker's records (early DONEs and finished
+	// tombstones, by count); 0 = the tracker's default.
 	MaxRecords int
+	// LeaseTTL turns leases on (0 = off): GET_META advertises it
+	// (Metadata.Ext.LeaseTTL) and each RENEW keeps the named held requests
+	// from being force-freed for LeaseTTL (tracker.Options.LeaseTTL).
+	LeaseTTL   time.Duration
 	Grants     Grants
 	Now        func() time.Time
 	Registerer prometheus.Registerer
@@ -52,6 +56,7 @@ type Worker struct {
 
 	sends    *prometheus.CounterVec
 	dones    *prometheus.CounterVec
+	renews   *prometheus.CounterVec
 	freed    *prometheus.CounterVec
 	heldGage prometheus.GaugeFunc
 }
@@ -67,12 +72,17 @@ func New(o Options) (*Worker, error) {
 	if o.Now == nil {
 		o.Now = time.Now
 	}
+	if o.LeaseTTL < 0 {
+		return nil, fmt.Errorf("prefill: lease ttl %v < 0", o.LeaseTTL)
+	}
+	// The metadata advertises leases exactly when this worker takes RENEW.
+	o.Metadata.Ext.LeaseTTL = o.LeaseTTL
 	log := o.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
 	w := &Worker{opts: o, log: log.With("component", "prefill"), now: o.Now, blocks: map[string][]int{},
-		tr: tracker.New(tracker.Options{AbortTimeout: o.AbortTimeout, MaxRecords: o.MaxRecords})}
+		tr: tracker.New(tracker.Options{AbortTimeout: o.AbortTimeout, LeaseTTL: o.LeaseTTL, MaxRecords: o.MaxRecords})}
 	w.sends = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_prefill_requests_total",
 		Help: "Requests handed over for sending, by decision (delayed: waits for DONE; immediate: no decode rank reads this worker).",
@@ -80,6 +90,10 @@ func New(o Options) (*Worker, error) {
 	w.dones = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_prefill_done_messages_total",
 		Help: "DONE_RECVING messages received, by result.",
+	}, []string{"result"})
+	w.renews = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvflow_prefill_lease_renewals_total",
+		Help: "Request ids in RENEW messages (leases), by result (renewed; not_held: unknown, not yet held or already freed).",
 	}, []string{"result"})
 	w.freed = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_prefill_freed_total",
@@ -90,7 +104,7 @@ func New(o Options) (*Worker, error) {
 		Help: "Requests whose blocks are held waiting for DONE.",
 	}, func() float64 { return float64(w.tr.Len()) })
 	if o.Registerer != nil {
-		for _, c := range []prometheus.Collector{w.sends, w.dones, w.freed, w.heldGage} {
+		for _, c := range []prometheus.Collector{w.sends, w.dones, w.renews, w.freed, w.heldGage} {
 			if err := o.Registerer.Register(c); err != nil {
 				return nil, fmt.Errorf("prefill: register metrics: %w", err)
 			}
@@ -101,6 +115,9 @@ func New(o Options) (*Worker, error) {
 	}
 	for _, r := range []string{"done", "not_transfer", "expired", "aborted"} {
 		w.freed.WithLabelValues(r)
+	}
+	for _, r := range []string{"renewed", "not_held"} {
+		w.renews.WithLabelValues(r)
 	}
 	return w, nil
 }
@@ -181,6 +198,29 @@ func (w *Worker) Done(reqID string) error {
 	return nil
 }
 
+// Renew handles RENEW (the side channel's optional Renewer): each held
+// request among reqIDs is kept from being force-freed for LeaseTTL from
+// now. Ids not held are counted, not an error (a RENEW may cross the
+// request's DONE, or come before its AddDelayed). With leases off it
+// refuses, and the side channel answers "ERR".
+func (w *Worker) Renew(reqIDs []string) error {
+	if w.opts.LeaseTTL <= 0 {
+		return errors.New("renew: leases are off (tracker.lease_ttl = 0)")
+	}
+	now := w.now()
+	var renewed, missed int
+	for _, id := range reqIDs {
+		if w.tr.Renew(id, now) {
+			renewed++
+		} else {
+			missed++
+		}
+	}
+	w.renews.WithLabelValues("renewed").Add(float64(renewed))
+	w.renews.WithLabelValues("not_held").Add(float64(missed))
+	return nil
+}
+
 // Abort frees requests at once (the engine aborted them). It returns how
 // many were held.
 func (w *Worker) Abort(ids []string) int {
@@ -202,7 +242,7 @@ func (w *Worker) Finished() []string {
 		ids = append(ids, f.ID)
 		w.freed.WithLabelValues(f.Reason.String()).Inc()
 		if f.Reason == tracker.ReasonExpired {
-			w.log.Warn("request force-freed at the abort timeout", "request_id", f.ID, "timeout", w.opts.AbortTimeout)
+			w.log.Warn("request force-freed at the abort timeout", "request_id", f.ID, "timeout", w.opts.AbortTimeout, "lease_ttl", w.opts.LeaseTTL)
 		}
 		w.revoke(f.ID)
 	}

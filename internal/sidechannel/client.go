@@ -212,6 +212,23 @@ func (c *Client) SendDone(ctx context.Context, endpoint, reqID string) error {
 	return c.call(ctx, opDone, endpoint, wire.EncodeDoneRecving(reqID), wire.DecodeAck)
 }
 
+// Renew sends kvflow's [b"renew_msg", [reqIDs...]] to endpoint and waits
+// for "ACK", in batches of at most wire.MaxRenewIDs ids (one round trip
+// each, in order; the first failure ends the call). Send it only to a peer
+// whose metadata advertised Ext.LeaseTTL: a seed peer would drop it and the
+// call would time out. Like DONE_RECVING it is idempotent, so timeouts are
+// retried.
+func (c *Client) Renew(ctx context.Context, endpoint string, reqIDs []string) error {
+	for len(reqIDs) > 0 {
+		n := min(len(reqIDs), wire.MaxRenewIDs)
+		if err := c.call(ctx, opRenew, endpoint, wire.EncodeRenew(reqIDs[:n]), wire.DecodeAck); err != nil {
+			return err
+		}
+		reqIDs = reqIDs[n:]
+	}
+	return nil
+}
+
 // Close aborts in-flight calls (they return ErrClosed), waits for them, and
 // closes every pooled socket. It is idempotent.
 func (c *Client) Close() error {

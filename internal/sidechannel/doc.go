@@ -18,13 +18,20 @@
 //	P → D  [identity] "" msgpack {engine_id, te_rpc_port, kv_caches_base_addr, num_blocks}
 //	D → P  [identity] "" msgpack [bin "done_recving_msg", request_id]
 //	P → D  [identity] "" raw "ACK"
+//	D → P  [identity] "" msgpack [bin "renew_msg", [request_id, ...]]   (kvflow only)
+//	P → D  [identity] "" raw "ACK"
 //
 // The server, like the seed, accepts the payload with or without the empty
 // delimiter frame (it ignores empty frames after the identity and requires
 // exactly one non-empty one) and always replies [identity, "", reply].
 // Metadata bytes equal msgspec's; kvflow's optional "kvflow" map field
-// (Ext, e.g. boot_epoch) is sent only when set, and the seed's decoder
-// ignores it.
+// (Ext: boot_epoch, lease_ttl_ms) is sent only when set, and the seed's
+// decoder ignores it.
+//
+// RENEW (leases) is negotiated: a prefill Handler that implements Renewer
+// advertises Ext.LeaseTTL, and a decode worker sends Client.Renew only to
+// peers that advertised it, so a seed ROUTER never receives it. A Handler
+// without Renewer (or HandlerFuncs without RenewFunc) answers it "ERR".
 //
 // # Where kvflow deliberately differs from the seed
 //
@@ -130,5 +137,5 @@
 // kvflow_sidechannel_socket_resets_total{reason},
 // kvflow_sidechannel_auth_denied_total{reason} and
 // kvflow_sidechannel_open_sockets. role is "client" or "server" (one process
-// may be both), op "get_meta" or "done".
+// may be both), op "get_meta", "done" or "renew".
 package sidechannel

@@ -13,6 +13,7 @@ const (
 
 	opGetMeta = "get_meta"
 	opDone    = "done"
+	opRenew   = "renew"
 
 	// Client outcomes.
 	outcomeOK          = "ok"
@@ -93,7 +94,7 @@ func newMetrics(reg prometheus.Registerer, openSockets func() float64) *metrics 
 		Name: "kvflow_sidechannel_open_sockets",
 		Help: "ZMQ sockets currently open on the side-channel context.",
 	}, openSockets)
-	for _, op := range []string{opGetMeta, opDone} {
+	for _, op := range []string{opGetMeta, opDone, opRenew} {
 		for _, o := range clientOutcomes {
 			m.requests.WithLabelValues(roleClient, op, o)
 		}

@@ -28,10 +28,35 @@ type Handler interface {
 	Done(reqID string) error
 }
 
-// HandlerFuncs adapts two functions to Handler; a nil func returns zero.
+// Renewer is the optional Handler method for kvflow's RENEW (leases). A
+// Handler without it answers RENEW like an unknown message ("ERR ...");
+// one whose Metadata advertises Ext.LeaseTTL must have it. The server
+// replies "ACK" even when Renew returns an error (logged and counted as
+// outcome "handler_error"), as for DONE_RECVING.
+type Renewer interface {
+	// Renew extends the holds of reqIDs (called on the socket goroutine,
+	// like the Handler's methods). Ids not held are the handler's
+	// business, not an error.
+	Renew(reqIDs []string) error
+}
+
+// HandlerFuncs adapts functions to Handler (and Renewer); a nil func
+// returns zero, except a nil RenewFunc, which refuses RENEW.
 type HandlerFuncs struct {
 	MetadataFunc func() Metadata
 	DoneFunc     func(reqID string) error
+	RenewFunc    func(reqIDs []string) error
+}
+
+// errNoRenew: the handler does not take RENEW (no leases).
+var errNoRenew = errors.New("renew_msg not supported (no leases)")
+
+// Renew calls h.RenewFunc.
+func (h HandlerFuncs) Renew(reqIDs []string) error {
+	if h.RenewFunc == nil {
+		return errNoRenew
+	}
+	return h.RenewFunc(reqIDs)
 }
 
 // Metadata calls h.MetadataFunc.
@@ -349,6 +374,29 @@ func (s *Server) handle(frames [][]byte) {
 		} else {
 			reply = wire.EncodeMetadata(md)
 		}
+	case wire.KindRenew:
+		rn, ok := s.h.(Renewer)
+		if !ok {
+			s.bad(frames, badUnknown, "renew_msg: "+errNoRenew.Error(), nil)
+			return
+		}
+		s.log.Debug("got RENEW", "requests", len(req.RequestIDs))
+		reply = []byte(wire.AckReply)
+		if err := s.callRenew(rn, req.RequestIDs); err != nil {
+			var p panicError
+			switch {
+			case errors.Is(err, errNoRenew):
+				outcome = outcomeHandlerError
+				reply = wire.EncodeErrorReply(err.Error())
+			case errors.As(err, &p):
+				outcome = outcomeHandlerError
+				reply = wire.EncodeErrorReply("internal error")
+				s.log.Error("renew handler panicked", "requests", len(req.RequestIDs), "err", err)
+			default:
+				outcome = outcomeHandlerError
+				s.log.Warn("renew handler error (ACKed anyway)", "requests", len(req.RequestIDs), "err", err)
+			}
+		}
 	case wire.KindDoneRecving:
 		s.log.Debug("got DONE_RECVING", "request_id", req.RequestID)
 		reply = []byte(wire.AckReply)
@@ -431,6 +479,15 @@ func (s *Server) callDone(reqID string) (err error) {
 		}
 	}()
 	return s.h.Done(reqID)
+}
+
+func (s *Server) callRenew(rn Renewer, ids []string) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = panicError{v}
+		}
+	}()
+	return rn.Renew(ids)
 }
 
 func (s *Server) handleRaw(id, payload []byte) {

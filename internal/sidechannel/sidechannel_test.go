@@ -777,3 +777,68 @@ func BenchmarkGetMetaLoopback(b *testing.B) {
 		}
 	}
 }
+
+// TestRenew: kvflow's RENEW round trip (batched by wire.MaxRenewIDs), the
+// lease TTL in the metadata, and a handler without leases refusing RENEW
+// with "ERR" (so a misdirected RENEW fails at once instead of timing out).
+func TestRenew(t *testing.T) {
+	e := newEnv(t)
+	md := testMeta
+	md.Ext = Ext{BootEpoch: 1, LeaseTTL: 10 * time.Second}
+	var mu sync.Mutex
+	var got [][]string
+	s := e.server(t, HandlerFuncs{
+		MetadataFunc: func() Metadata { return md },
+		RenewFunc: func(ids []string) error {
+			mu.Lock()
+			defer mu.Unlock()
+			got = append(got, ids)
+			if len(ids) == 1 && ids[0] == "err" {
+				return errors.New("not held")
+			}
+			return nil
+		},
+	}, ServerOptions{})
+	c := e.client(t, fastClientOpts())
+	ctx := context.Background()
+	m, err := c.GetMeta(ctx, s.Addr())
+	if err != nil || m.Ext.LeaseTTL != 10*time.Second {
+		t.Fatalf("GetMeta: %+v %v", m.Ext, err)
+	}
+	ids := make([]string, wire.MaxRenewIDs+3)
+	for i := range ids {
+		ids[i] = fmt.Sprintf("req-%d", i)
+	}
+	if err := c.Renew(ctx, s.Addr(), ids); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Renew(ctx, s.Addr(), []string{"err"}); err != nil {
+		t.Fatalf("a Renew error is still ACKed: %v", err)
+	}
+	if err := c.Renew(ctx, s.Addr(), nil); err != nil {
+		t.Fatalf("empty renew: %v", err)
+	}
+	mu.Lock()
+	if len(got) != 3 || len(got[0]) != wire.MaxRenewIDs || !reflect.DeepEqual(append(got[0], got[1]...), ids) {
+		t.Fatalf("server saw %d batches", len(got))
+	}
+	mu.Unlock()
+	if v := serverRequests(t, e, "renew", "ok", 2); v != 2 { // Renew(nil) sends nothing
+		t.Errorf("server renew ok = %v", v)
+	}
+	if v := serverRequests(t, e, "renew", "handler_error", 1); v != 1 {
+		t.Errorf("server renew handler_error = %v", v)
+	}
+
+	// No leases: a Handler without Renew, and HandlerFuncs without RenewFunc.
+	for name, h := range map[string]Handler{"recorder": &recorder{md: testMeta}, "funcs": HandlerFuncs{}} {
+		s2 := e.server(t, h, ServerOptions{})
+		var re *RemoteError
+		if err := c.Renew(ctx, s2.Addr(), []string{"a"}); !errors.As(err, &re) || !strings.Contains(re.Reason, "renew") {
+			t.Fatalf("%s: renew to a server without leases: %v", name, err)
+		}
+		if _, err := c.GetMeta(ctx, s2.Addr()); err != nil {
+			t.Fatalf("%s: server must keep serving: %v", name, err)
+		}
+	}
+}

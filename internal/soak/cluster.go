@@ -39,6 +39,10 @@ type Options struct {
 	// DONE was dropped is freed after it. 2 s: far above a request's latency
 	// under the injected delays (tens of ms), short enough to wait out.
 	AbortTimeout time.Duration
+	// LeaseTTL is the prefill side's tracker.lease_ttl (0: leases off, the
+	// default here, so the other tests see the seed's expiry alone); decode
+	// workers renew at ranks that advertise it.
+	LeaseTTL time.Duration
 	// HandshakeTimeout is one side-channel attempt's timeout (3 attempts).
 	// 300 ms: a dead peer fails a request within ~1.5 s.
 	HandshakeTimeout time.Duration
@@ -170,6 +174,7 @@ func (c *Cluster) config(role string, kvPort int, engine string) config.Config {
 	cfg.Handshake.Timeout = config.Duration(o.HandshakeTimeout)
 	cfg.Notify.Timeout = config.Duration(o.HandshakeTimeout)
 	cfg.Tracker.AbortRequestTimeout = config.Duration(o.AbortTimeout)
+	cfg.Tracker.LeaseTTL = config.Duration(o.LeaseTTL)
 	return cfg
 }
 
@@ -262,6 +267,7 @@ func (c *Cluster) Reset(sched func(rank int) faults.Schedule) error {
 			Fetcher:            in.Fetcher(fetcher{n.Client}),
 			Transfer:           in.Transfer(transfer{n.Engine}),
 			Sender:             in.Sender(sender{n.Client, d}),
+			Renewer:            n.Client,
 			Kernel:             n.Device,
 			Layout:             node.CacheLayout(n.Device.Layout()),
 			Local:              plan.Caches{Base: n.Device.BaseAddrs(), NumBlocks: n.Shape.NumBlocks},
@@ -318,7 +324,7 @@ func (f fetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, error)
 		return job.Meta{}, err
 	}
 	return job.Meta{EngineID: m.EngineID, TERPCPort: m.TERPCPort, BaseAddrs: m.KVCachesBaseAddr,
-		NumBlocks: m.NumBlocks, BootEpoch: m.Ext.BootEpoch}, nil
+		NumBlocks: m.NumBlocks, BootEpoch: m.Ext.BootEpoch, LeaseTTL: m.Ext.LeaseTTL}, nil
 }
 
 type transfer struct{ e mooncake.Engine }

@@ -64,6 +64,12 @@ type Report struct {
 	// reading that prefill rank sent its DONE, within the abort timeout:
 	// blocks freed while still being read.
 	Premature int
+	// FreedWhileReading counts prefill frees, at any age, before every
+	// decode rank reading that prefill rank sent its DONE or ended: with
+	// leases (Options.LeaseTTL > 0) each is a violation (a live decode's
+	// lease must hold its blocks past the abort timeout); without, those
+	// after the abort timeout are the seed's force-frees.
+	FreedWhileReading int
 	// Killed* are about requests in flight to a killed prefill instance,
 	// counted as (decode rank, request) pairs not yet ended at the kill.
 	Kills, KilledInFlight, KilledFailed, KilledDone int
@@ -88,6 +94,7 @@ func (r *Report) Add(o Report) {
 	r.BadRequests += o.BadRequests
 	r.BadBytes += o.BadBytes
 	r.Premature += o.Premature
+	r.FreedWhileReading += o.FreedWhileReading
 	r.Kills += o.Kills
 	r.KilledInFlight += o.KilledInFlight
 	r.KilledFailed += o.KilledFailed
@@ -108,8 +115,8 @@ func (r Report) String() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "requests %d in %v: decode ends %d (done %d, failed %d), prefill frees %d (expired %d)\n",
 		r.Requests, r.Elapsed.Round(time.Millisecond), r.Ends, r.Done, r.Failed, r.PrefillFreed, r.Expired)
-	fmt.Fprintf(&b, "bytes verified %d, bad requests %d (bad bytes %d), premature frees %d\n",
-		r.BytesVerified, r.BadRequests, r.BadBytes, r.Premature)
+	fmt.Fprintf(&b, "bytes verified %d, bad requests %d (bad bytes %d), premature frees %d, freed while reading %d\n",
+		r.BytesVerified, r.BadRequests, r.BadBytes, r.Premature, r.FreedWhileReading)
 	fmt.Fprintf(&b, "prefill kills %d: in flight %d, failed %d, done %d\n", r.Kills, r.KilledInFlight, r.KilledFailed, r.KilledDone)
 	fmt.Fprintf(&b, "faults injected %d:\n%s", r.Faults.Total(), indent(r.Faults.String()))
 	var ks []string
@@ -250,7 +257,7 @@ func (d *driver) loop(start time.Time) {
 			// Every request ends within HangAfter; every prefill rank frees
 			// it within the abort timeout after its last DONE could have
 			// come.
-			if now.Sub(drainSince) > d.l.HangAfter+d.c.Opts.AbortTimeout+5*time.Second {
+			if now.Sub(drainSince) > d.l.HangAfter+max(d.c.Opts.AbortTimeout, d.c.Opts.LeaseTTL)+5*time.Second {
 				for _, q := range d.reqs {
 					if q.decodeDone(len(d.c.Decode)) {
 						d.violate("request %s stranded: %d of %d prefill ranks freed it", q.id, q.nFreed, len(q.freed))
@@ -485,24 +492,33 @@ func (d *driver) freedOn(q *request, i int) {
 	q.nFreed++
 	d.rep.PrefillFreed++
 	age := time.Since(q.sent)
-	if age > d.c.Opts.AbortTimeout {
+	expired := age > d.c.Opts.AbortTimeout
+	if expired {
 		d.rep.Expired++
-	} else {
-		// Every decode rank that reads prefill rank i must have sent its
-		// DONE to it (or ended) before the blocks were freed.
-		ep := d.eps[q.pre][i]
-		for r, pl := range q.plans {
-			reads := false
-			for _, t := range pl.Tasks {
-				if t.RemoteRank == i {
-					reads = true
-				}
+	}
+	// Every decode rank that reads prefill rank i must have sent its DONE
+	// to it (or ended) before the blocks were freed: within the abort
+	// timeout always, after it too when leases are on.
+	ep := d.eps[q.pre][i]
+	for r, pl := range q.plans {
+		reads := false
+		for _, t := range pl.Tasks {
+			if t.RemoteRank == i {
+				reads = true
 			}
-			if reads && q.ends[r] == 0 && d.c.Decode[r].DoneSent(ep, q.id) == 0 {
-				d.rep.Premature++
-				d.violate("request %s freed by prefill %s rank %d after %v while decode rank %d was still reading it (no DONE sent)",
-					q.id, q.pre.Name, i, age.Round(time.Millisecond), r)
-			}
+		}
+		if !reads || q.ends[r] != 0 || d.c.Decode[r].DoneSent(ep, q.id) != 0 {
+			continue
+		}
+		d.rep.FreedWhileReading++
+		switch {
+		case !expired:
+			d.rep.Premature++
+			d.violate("request %s freed by prefill %s rank %d after %v while decode rank %d was still reading it (no DONE sent)",
+				q.id, q.pre.Name, i, age.Round(time.Millisecond), r)
+		case d.c.Opts.LeaseTTL > 0:
+			d.violate("request %s force-freed by prefill %s rank %d after %v while decode rank %d was still reading it under a lease",
+				q.id, q.pre.Name, i, age.Round(time.Millisecond), r)
 		}
 	}
 	if q.nFreed == len(q.freed) {

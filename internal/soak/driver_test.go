@@ -1,6 +1,8 @@
 package soak
 
 import (
+	"context"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"strconv"
@@ -8,7 +10,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/faults"
+	"github.com/kvflow/kvflow/internal/prefill"
 )
 
 // seed is KVFLOW_SOAK_SEED, or a fresh one (logged, so a failure can be
@@ -229,36 +233,150 @@ func TestBadMetadataStaysCached(t *testing.T) {
 	}
 }
 
-// A prefill abort timeout shorter than the reads (what leases are to make
-// safe, issue 7 item 5) force-frees blocks that are still being read: with
-// freed blocks reused at once, decode ends requests done with another
-// request's bytes (no fencing yet, item 3). The late DONEs that follow are
-// then reported freed a second time once the tracker has forgotten the
-// finished record (it remembers it for one abort timeout). Shown, then
-// skipped.
+// A prefill abort timeout shorter than the reads (300 ms; every read
+// delayed up to 1 s) used to force-free blocks still being read (decode then
+// ended requests done with another request's bytes), and the late DONEs
+// that followed were reported freed a second time once the tracker had
+// forgotten the finished record (it remembered it for one abort timeout).
+// Leases (issue 7 item 5) close the first: the decode worker renews its
+// requests at the prefill ranks that advertise lease_ttl, so a live decode
+// keeps its blocks however slow it is, while a decode that dies stops
+// renewing and its blocks are force-freed lease_ttl after its last renewal.
+// Count-bounded tombstones close the second. The control run without
+// leases shows the same schedule does free blocks under live reads.
 func TestShortAbortTimeoutGap(t *testing.T) {
-	c := startCluster(t, Options{PrefillTP: 2, DecodeTP: 1, Prefills: 1, Blocks: 16, AbortTimeout: 30 * time.Millisecond})
-	rep := round(t, c, faults.Schedule{Seed: 11, Read: faults.Rates{Delay: 1}, MaxDelay: 200 * time.Millisecond},
-		Load{Requests: 60, Seed: 11, Concurrency: 8, Prefix: "slow-"})
-	var bad, twice, again int
-	for _, v := range rep.Violations {
-		switch {
-		case strings.Contains(v, "bad bytes"):
-			bad++
-		case strings.Contains(v, "freed 2 times"):
-			twice++
-		case strings.Contains(v, "again after it completed"):
-			again++
-		default:
-			t.Error(v)
+	const abort, ttl = 300 * time.Millisecond, 600 * time.Millisecond
+	opts := Options{PrefillTP: 2, DecodeTP: 1, Prefills: 1, Blocks: 16, AbortTimeout: abort}
+	sched := faults.Schedule{Seed: 11, Read: faults.Rates{Delay: 1}, MaxDelay: time.Second}
+	load := Load{Requests: 40, Seed: 11, Concurrency: 8, Prefix: "slow-"}
+	twice := func(t *testing.T, rep Report) {
+		t.Helper()
+		for _, v := range rep.Violations {
+			if strings.Contains(v, "freed 2 times") || (strings.Contains(v, "freed") && strings.Contains(v, "again after it completed")) {
+				t.Errorf("reported freed twice (tombstones): %s", v)
+			}
 		}
 	}
-	t.Logf("abort timeout 30 ms, reads delayed up to 200 ms: %d done with bad bytes, %d freed twice, %d freed after completing\n%s",
-		bad, twice, again, rep)
-	if bad+twice+again > 0 {
-		t.Skipf("GAP (issue 7 items 3 and 5): with the abort timeout shorter than the reads, %d requests ended done with bad bytes "+
-			"(%d bytes: blocks force-freed and reused while still being read), and prefill Finished reported %d (rank, request) "+
-			"pairs freed a second time (a DONE arriving after the finished record aged out counts as an early DONE and frees again)",
-			bad, rep.BadBytes, twice+again)
+
+	t.Run("leases", func(t *testing.T) {
+		before := Measure()
+		o := opts
+		o.LeaseTTL = ttl
+		c := startCluster(t, o)
+		rep := round(t, c, sched, load)
+		t.Logf("abort timeout %v, lease ttl %v, reads delayed up to %v:\n%s", abort, ttl, sched.MaxDelay, rep)
+		for _, v := range rep.Violations {
+			t.Error(v)
+		}
+		if rep.Done != rep.Requests || rep.Failed != 0 || rep.BadRequests != 0 || rep.FreedWhileReading != 0 {
+			t.Errorf("with leases: %d of %d done, %d failed (%v), %d bad, %d freed while reading",
+				rep.Done, rep.Requests, rep.Failed, rep.Failures, rep.BadRequests, rep.FreedWhileReading)
+		}
+		if rep.Expired == 0 {
+			t.Errorf("no request outlived the abort timeout: the schedule no longer tests leases")
+		}
+		if rep.BytesVerified == 0 {
+			t.Error("no bytes verified")
+		}
+		checkLeaks(t, before, c)
+	})
+
+	t.Run("control without leases", func(t *testing.T) {
+		c := startCluster(t, opts)
+		rep := round(t, c, sched, load)
+		t.Logf("without leases:\n%s", rep)
+		twice(t, rep)
+		if rep.FreedWhileReading == 0 {
+			t.Errorf("without leases no block was force-freed under a live read: the control no longer shows the gap")
+		}
+	})
+
+	t.Run("dead decode is force-freed after the lease", func(t *testing.T) {
+		o := opts
+		o.LeaseTTL = ttl
+		c := startCluster(t, o)
+		// Reads that never finish on their own, DONEs that never arrive: the
+		// only thing keeping the blocks is the lease.
+		if err := c.Reset(func(int) faults.Schedule {
+			return faults.Schedule{Seed: 12, Read: faults.Rates{Delay: 1}, MaxDelay: time.Hour, Done: faults.Rates{Drop: 1}}
+		}); err != nil {
+			t.Fatal(err)
+		}
+		pre, dr := c.Prefill[0], c.Decode[0]
+		const n = 4
+		var ids []string
+		for k := range n {
+			id := fmt.Sprintf("dead-%d", k)
+			ids = append(ids, id)
+			blocks := []int{2 * k, 2*k + 1}
+			for _, rk := range pre.Ranks {
+				if err := rk.Prefill.Send([]prefill.SendRequest{{RequestID: id, BlockIDs: blocks}})[0]; err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := dr.Worker.Load(context.Background(), []decode.LoadRequest{{RequestID: id, LocalBlockIDs: blocks,
+				Params: decode.KVTransferParams{RemoteBlockIDs: blocks, RemoteEngineID: pre.Name, RemoteHost: "127.0.0.1",
+					RemotePort: pre.Port, RemotePCPSize: 1, RemoteDCPSize: 1}}})[0]; err != nil {
+				t.Fatal(err)
+			}
+		}
+		freedAt := map[string]time.Time{} // rank/id → first free
+		poll := func() {
+			for r, rk := range pre.Ranks {
+				for _, id := range rk.Prefill.Finished() {
+					k := fmt.Sprintf("%d/%s", r, id)
+					if _, dup := freedAt[k]; dup {
+						t.Errorf("%s freed twice", k)
+					}
+					freedAt[k] = time.Now()
+				}
+			}
+		}
+		// Alive: five abort timeouts pass and the leases hold every block.
+		for end := time.Now().Add(5 * abort); time.Now().Before(end); time.Sleep(10 * time.Millisecond) {
+			poll()
+		}
+		if len(freedAt) != 0 {
+			t.Fatalf("freed while the decode was alive and renewing: %v", freedAt)
+		}
+		// Dies: Close cancels its reads at once; its DONEs are dropped, so
+		// only the leases' end frees the blocks.
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Millisecond)
+		dr.Worker.Close(ctx)
+		cancel()
+		closed := time.Now()
+		dr.Worker = nil
+		for time.Since(closed) < 3*ttl && len(freedAt) < n*len(pre.Ranks) {
+			poll()
+			time.Sleep(5 * time.Millisecond)
+		}
+		if len(freedAt) != n*len(pre.Ranks) {
+			t.Fatalf("after the decode died, %d of %d (rank, request) freed within %v", len(freedAt), n*len(pre.Ranks), 3*ttl)
+		}
+		// The last renewal was at most ttl/3 (plus scheduling) before the
+		// close, so no lease ended before closed + ttl - ttl/3.
+		for k, at := range freedAt {
+			if d := at.Sub(closed); d < ttl-ttl/3-50*time.Millisecond || d > ttl+500*time.Millisecond {
+				t.Errorf("%s freed %v after the decode died, want about the lease ttl %v", k, d.Round(time.Millisecond), ttl)
+			}
+		}
+		t.Logf("dead decode: %d (rank, request) force-freed %v..%v after Close (lease ttl %v, abort timeout %v)",
+			len(freedAt), minMax(freedAt, closed)[0], minMax(freedAt, closed)[1], ttl, abort)
+	})
+}
+
+func minMax(m map[string]time.Time, from time.Time) [2]time.Duration {
+	var out [2]time.Duration
+	first := true
+	for _, at := range m {
+		d := at.Sub(from).Round(time.Millisecond)
+		if first || d < out[0] {
+			out[0] = d
+		}
+		if first || d > out[1] {
+			out[1] = d
+		}
+		first = false
 	}
+	return out
 }

@@ -19,13 +19,18 @@ import (
 )
 
 // Meta is a remote prefill rank's agent metadata (the seed's
-// MooncakeAgentMetadata, plus kvflow's boot epoch when the peer sends it).
+// MooncakeAgentMetadata, plus kvflow's boot epoch and lease TTL when the
+// peer sends them).
 type Meta struct {
 	EngineID  string
 	TERPCPort int
 	BaseAddrs []uint64
 	NumBlocks int
 	BootEpoch uint64
+	// LeaseTTL > 0: the peer takes RENEW and holds a renewed request's
+	// blocks for LeaseTTL after each renewal (0: a seed peer, or leases
+	// off; never send it RENEW).
+	LeaseTTL time.Duration
 }
 
 // Job is one pull request on its way through the decode pipeline.

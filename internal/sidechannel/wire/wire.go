@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"strconv"
+	"time"
 )
 
 // Message type tags, sent as msgpack bin (Python bytes) in element 0 of a
@@ -13,7 +14,16 @@ import (
 const (
 	MsgGetMeta     = "get_meta_msg"
 	MsgDoneRecving = "done_recving_msg"
+	// MsgRenew is kvflow's lease renewal, [b"renew_msg", [req_id, ...]],
+	// answered "ACK". Not in the seed: a decode worker sends it only to
+	// peers whose metadata advertised Ext.LeaseTTL.
+	MsgRenew = "renew_msg"
 )
+
+// MaxRenewIDs bounds the request ids of one RENEW (a sender splits larger
+// batches): 4096 ids of a few hundred bytes stay far below the server's
+// 1 MiB message limit.
+const MaxRenewIDs = 4096
 
 // AckReply is the raw (not msgpack) reply to a DONE_RECVING request.
 const AckReply = "ACK"
@@ -33,6 +43,7 @@ const (
 	keyNumBlocks        = "num_blocks"
 	keyKvflow           = "kvflow"
 	keyBootEpoch        = "boot_epoch"
+	keyLeaseTTLMs       = "lease_ttl_ms"
 )
 
 // Sentinel errors; test with errors.Is.
@@ -41,8 +52,8 @@ var (
 	// shape (truncated msgpack, wrong types, missing fields, trailing bytes).
 	// Every *DecodeError wraps it.
 	ErrMalformed = errors.New("sidechannel: malformed message")
-	// ErrUnknownMessage: a well-formed request whose type tag is neither
-	// get_meta_msg nor done_recving_msg.
+	// ErrUnknownMessage: a well-formed request whose type tag is not
+	// get_meta_msg, done_recving_msg or (kvflow) renew_msg.
 	ErrUnknownMessage = errors.New("sidechannel: unknown message type")
 	// ErrUnexpectedReply: a reply to DONE_RECVING that is not "ACK" (and not
 	// an error reply).
@@ -74,23 +85,28 @@ type Kind uint8
 const (
 	KindGetMeta     Kind = iota + 1 // [b"get_meta_msg", ""] → metadata map
 	KindDoneRecving                 // [b"done_recving_msg", request_id] → b"ACK"
+	KindRenew                       // [b"renew_msg", [request_id, ...]] → b"ACK" (kvflow only)
 )
 
-// String returns the short name used in metrics and logs: "get_meta", "done".
+// String returns the short name used in metrics and logs: "get_meta",
+// "done", "renew".
 func (k Kind) String() string {
 	switch k {
 	case KindGetMeta:
 		return "get_meta"
 	case KindDoneRecving:
 		return "done"
+	case KindRenew:
+		return "renew"
 	}
 	return "unknown(" + strconv.Itoa(int(k)) + ")"
 }
 
 // Request is a decoded side-channel request.
 type Request struct {
-	Kind      Kind
-	RequestID string // KindDoneRecving only
+	Kind       Kind
+	RequestID  string   // KindDoneRecving only
+	RequestIDs []string // KindRenew only (may be empty)
 }
 
 // Metadata is the seed's MooncakeAgentMetadata plus kvflow's optional
@@ -112,10 +128,15 @@ type Ext struct {
 	// BootEpoch changes each time the serving process restarts, so a peer
 	// can tell that cached metadata is stale. 0 = not sent.
 	BootEpoch uint64
+	// LeaseTTL advertises leases: the server accepts RENEW, and one RENEW
+	// keeps a request's blocks held for LeaseTTL. Sent as "lease_ttl_ms",
+	// whole milliseconds (a positive value under 1 ms is sent as 1).
+	// 0 = not sent: the peer does not take RENEW.
+	LeaseTTL time.Duration
 }
 
 // IsZero reports whether no extension field is set (then "kvflow" is omitted).
-func (e Ext) IsZero() bool { return e == Ext{} }
+func (e Ext) IsZero() bool { return e.BootEpoch == 0 && e.LeaseTTL <= 0 }
 
 // AppendGetMeta appends the GET_META request, msgpack [b"get_meta_msg", ""].
 func AppendGetMeta(dst []byte) []byte {
@@ -137,6 +158,20 @@ func AppendDoneRecving(dst []byte, reqID string) []byte {
 // EncodeDoneRecving returns the DONE_RECVING request bytes for reqID.
 func EncodeDoneRecving(reqID string) []byte { return AppendDoneRecving(nil, reqID) }
 
+// AppendRenew appends msgpack [b"renew_msg", [reqIDs...]].
+func AppendRenew(dst []byte, reqIDs []string) []byte {
+	dst = appendArrayLen(dst, 2)
+	dst = appendBin(dst, MsgRenew)
+	dst = appendArrayLen(dst, len(reqIDs))
+	for _, id := range reqIDs {
+		dst = appendStr(dst, id)
+	}
+	return dst
+}
+
+// EncodeRenew returns the RENEW request bytes for reqIDs.
+func EncodeRenew(reqIDs []string) []byte { return AppendRenew(nil, reqIDs) }
+
 // EncodeRequest encodes r; it panics on an unknown Kind (a programming error).
 func EncodeRequest(r Request) []byte {
 	switch r.Kind {
@@ -144,6 +179,8 @@ func EncodeRequest(r Request) []byte {
 		return EncodeGetMeta()
 	case KindDoneRecving:
 		return EncodeDoneRecving(r.RequestID)
+	case KindRenew:
+		return EncodeRenew(r.RequestIDs)
 	}
 	panic("sidechannel: EncodeRequest: unknown kind " + r.Kind.String())
 }
@@ -155,6 +192,8 @@ func EncodeRequest(r Request) []byte {
 //   - get_meta_msg: further elements are ignored (the seed ignores them);
 //   - done_recving_msg: element 1 must be a UTF-8 str (the request id);
 //     further elements are ignored (room for optional kvflow additions);
+//   - renew_msg (kvflow): element 1 must be an array of at most MaxRenewIDs
+//     UTF-8 strs; further elements are ignored;
 //   - nothing may follow the array.
 //
 // A str tag (instead of bin) is malformed, as it is "unexpected" to the seed.
@@ -183,6 +222,25 @@ func DecodeRequest(b []byte) (Request, error) {
 		}
 		if req.RequestID, err = r.str("request[1]"); err != nil {
 			return Request{}, err
+		}
+		rest--
+	case MsgRenew:
+		req.Kind = KindRenew
+		if n < 2 {
+			return Request{}, r.errf("request", "renew_msg without request ids")
+		}
+		m, err := r.arrayLen("request[1]")
+		if err != nil {
+			return Request{}, err
+		}
+		if m > MaxRenewIDs {
+			return Request{}, r.errf("request[1]", "%d request ids, at most %d", m, MaxRenewIDs)
+		}
+		req.RequestIDs = make([]string, m) // m ≤ bytes left: arrayLen checked it
+		for i := range req.RequestIDs {
+			if req.RequestIDs[i], err = r.str("request[1][" + strconv.Itoa(i) + "]"); err != nil {
+				return Request{}, err
+			}
 		}
 		rest--
 	default:
@@ -234,12 +292,25 @@ func appendExt(dst []byte, e Ext) []byte {
 	if e.BootEpoch != 0 {
 		n++
 	}
+	if e.LeaseTTL > 0 {
+		n++
+	}
 	dst = appendMapLen(dst, n)
 	if e.BootEpoch != 0 {
 		dst = appendStr(dst, keyBootEpoch)
 		dst = appendUint(dst, e.BootEpoch)
 	}
+	if e.LeaseTTL > 0 {
+		dst = appendStr(dst, keyLeaseTTLMs)
+		dst = appendUint(dst, leaseMillis(e.LeaseTTL))
+	}
 	return dst
+}
+
+// leaseMillis is d in whole milliseconds, rounded up (so a positive d is
+// never sent as 0).
+func leaseMillis(d time.Duration) uint64 {
+	return uint64((d + time.Millisecond - 1) / time.Millisecond)
 }
 
 // DecodeMetadata decodes a metadata reply. Keys must be str; the four seed
@@ -353,7 +424,7 @@ func (r *reader) ext() (Ext, error) {
 	if err != nil {
 		return e, err
 	}
-	seenEpoch := false
+	seenEpoch, seenLease := false, false
 	for i := 0; i < n; i++ {
 		key, err := r.str(keyKvflow + " key")
 		if err != nil {
@@ -367,6 +438,18 @@ func (r *reader) ext() (Ext, error) {
 			}
 			seenEpoch = true
 			e.BootEpoch, err = r.uint(field)
+		case keyLeaseTTLMs:
+			if seenLease {
+				return Ext{}, r.errf(field, "duplicate key")
+			}
+			seenLease = true
+			start := r.off
+			var ms uint64
+			if ms, err = r.uint(field); err == nil && ms > uint64(math.MaxInt64/int64(time.Millisecond)) {
+				r.off = start
+				return Ext{}, r.errf(field, "%d ms does not fit in a duration", ms)
+			}
+			e.LeaseTTL = time.Duration(ms) * time.Millisecond
 		default:
 			err = r.skip(field, 2)
 		}

@@ -10,8 +10,10 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/vmihailenco/msgpack/v5"
 )
@@ -77,7 +79,7 @@ func TestSeedVectors(t *testing.T) {
 					t.Fatalf("EncodeGetMeta = %x, want %x", got, want)
 				}
 				req, err := DecodeRequest(want)
-				if err != nil || req != (Request{Kind: KindGetMeta}) {
+				if err != nil || !reflect.DeepEqual(req, Request{Kind: KindGetMeta}) {
 					t.Fatalf("DecodeRequest = %+v, %v", req, err)
 				}
 			case "recv_thread_done_recving":
@@ -89,7 +91,7 @@ func TestSeedVectors(t *testing.T) {
 					t.Fatalf("EncodeDoneRecving(%q) = %x, want %x", *c.RequestID, got, want)
 				}
 				req, err := DecodeRequest(want)
-				if err != nil || req != (Request{Kind: KindDoneRecving, RequestID: *c.RequestID}) {
+				if err != nil || !reflect.DeepEqual(req, Request{Kind: KindDoneRecving, RequestID: *c.RequestID}) {
 					t.Fatalf("DecodeRequest = %+v, %v", req, err)
 				}
 			case "agent_metadata":
@@ -173,6 +175,90 @@ func checkDialogue(t *testing.T, c vectorCase) {
 	}
 	if len(replies) != 0 {
 		t.Fatalf("%s: seed answered %d frame sets the decoder rejected", c.Dialogue, len(replies))
+	}
+}
+
+// TestRenewBytes pins RENEW's bytes: a msgpack array like the seed's
+// requests, bin tag "renew_msg", then an array of str ids.
+func TestRenewBytes(t *testing.T) {
+	b := EncodeRenew([]string{"a", "b"})
+	want := "92" + "c409" + hex.EncodeToString([]byte("renew_msg")) + "92" + "a161" + "a162"
+	if got := hex.EncodeToString(b); got != want {
+		t.Fatalf("renew bytes %s, want %s", got, want)
+	}
+	// A generic msgpack reader sees [bytes, [str, str]].
+	var generic []any
+	if err := msgpack.Unmarshal(b, &generic); err != nil {
+		t.Fatal(err)
+	}
+	if len(generic) != 2 || string(generic[0].([]byte)) != MsgRenew || !reflect.DeepEqual(generic[1], []any{"a", "b"}) {
+		t.Fatalf("generic decode: %#v", generic)
+	}
+	ids := make([]string, MaxRenewIDs)
+	for i := range ids {
+		ids[i] = strings.Repeat("x", 200) + strconv.Itoa(i)
+	}
+	big := EncodeRenew(ids)
+	if len(big) >= 1<<20 {
+		t.Fatalf("a full RENEW of 200-byte ids is %d bytes: over the server's 1 MiB limit", len(big))
+	}
+	got, err := DecodeRequest(big)
+	if err != nil || got.Kind != KindRenew || !reflect.DeepEqual(got.RequestIDs, ids) {
+		t.Fatalf("round trip of %d ids: %v", len(ids), err)
+	}
+	if !reflect.DeepEqual(EncodeRequest(got), big) {
+		t.Fatal("EncodeRequest(KindRenew) differs")
+	}
+	if KindRenew.String() != "renew" {
+		t.Fatal(KindRenew.String())
+	}
+}
+
+func TestMetadataLeaseTTL(t *testing.T) {
+	base := Metadata{EngineID: "e", TERPCPort: 1, KVCachesBaseAddr: []uint64{7}, NumBlocks: 2}
+	plain := EncodeMetadata(base)
+	for _, tc := range []struct {
+		ext  Ext
+		want Ext    // decoded
+		tail []byte // the "kvflow" value's bytes
+	}{
+		{Ext{LeaseTTL: 10 * time.Second}, Ext{LeaseTTL: 10 * time.Second}, build([]byte{0x81}, "lease_ttl_ms", 10000)},
+		{Ext{LeaseTTL: 300 * time.Microsecond}, Ext{LeaseTTL: time.Millisecond}, build([]byte{0x81}, "lease_ttl_ms", 1)},
+		{Ext{BootEpoch: 5, LeaseTTL: 1500 * time.Millisecond}, Ext{BootEpoch: 5, LeaseTTL: 1500 * time.Millisecond},
+			build([]byte{0x82}, "boot_epoch", 5, "lease_ttl_ms", 1500)},
+	} {
+		m := base
+		m.Ext = tc.ext
+		b := EncodeMetadata(m)
+		want := append(append([]byte{0x85}, plain[1:]...), build("kvflow", tc.tail)...)
+		if !bytes.Equal(b, want) {
+			t.Fatalf("%+v: %x, want %x", tc.ext, b, want)
+		}
+		got, err := DecodeMetadata(b)
+		m.Ext = tc.want
+		if err != nil || !reflect.DeepEqual(got, m) {
+			t.Fatalf("%+v round trip: %+v %v", tc.ext, got, err)
+		}
+	}
+	// Zero (or negative) LeaseTTL and BootEpoch: the seed's bytes exactly.
+	for _, e := range []Ext{{}, {LeaseTTL: -time.Second}} {
+		m := base
+		m.Ext = e
+		if b := EncodeMetadata(m); !bytes.Equal(b, plain) || plain[0] != 0x84 {
+			t.Fatalf("Ext %+v changed the seed bytes: %x", e, b)
+		}
+	}
+	for name, in := range map[string][]byte{
+		"duplicate": build([]byte{0x85}, "engine_id", "E", "te_rpc_port", 1, "kv_caches_base_addr", []byte{0x90}, "num_blocks", 1,
+			"kvflow", []byte{0x82}, "lease_ttl_ms", 1, "lease_ttl_ms", 2),
+		"str": build([]byte{0x85}, "engine_id", "E", "te_rpc_port", 1, "kv_caches_base_addr", []byte{0x90}, "num_blocks", 1,
+			"kvflow", []byte{0x81}, "lease_ttl_ms", "1"),
+		"overflow": build([]byte{0x85}, "engine_id", "E", "te_rpc_port", 1, "kv_caches_base_addr", []byte{0x90}, "num_blocks", 1,
+			"kvflow", []byte{0x81}, "lease_ttl_ms", uint64(math.MaxUint64)),
+	} {
+		if _, err := DecodeMetadata(in); !errors.Is(err, ErrMalformed) || !strings.Contains(err.Error(), "lease_ttl_ms") {
+			t.Errorf("%s: %v", name, err)
+		}
 	}
 }
 
@@ -313,12 +399,20 @@ func TestDecodeRequest(t *testing.T) {
 		{"trailing", append(EncodeGetMeta(), 0xc0), Request{}, ErrMalformed},
 		{"truncated", EncodeDoneRecving("abcdef")[:20], Request{}, ErrMalformed},
 		{"empty", nil, Request{}, ErrMalformed},
+		{"renew", EncodeRenew([]string{"a", "b"}), Request{Kind: KindRenew, RequestIDs: []string{"a", "b"}}, nil},
+		{"renew none", EncodeRenew(nil), Request{Kind: KindRenew, RequestIDs: []string{}}, nil},
+		{"renew extra", build([]byte{0x93, 0xc4, 9}, []byte("renew_msg"), []byte{0x91}, "r", 7), Request{Kind: KindRenew, RequestIDs: []string{"r"}}, nil},
+		{"renew no ids", build([]byte{0x91, 0xc4, 9}, []byte("renew_msg")), Request{}, ErrMalformed},
+		{"renew str ids", build([]byte{0x92, 0xc4, 9}, []byte("renew_msg"), "r"), Request{}, ErrMalformed},
+		{"renew int id", build([]byte{0x92, 0xc4, 9}, []byte("renew_msg"), []byte{0x92}, "r", 5), Request{}, ErrMalformed},
+		{"renew too many", EncodeRenew(make([]string, MaxRenewIDs+1)), Request{}, ErrMalformed},
+		{"renew truncated", EncodeRenew([]string{"abc"})[:14], Request{}, ErrMalformed},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			got, err := DecodeRequest(c.in)
 			if c.is == nil {
-				if err != nil || got != c.want {
+				if err != nil || !reflect.DeepEqual(got, c.want) {
 					t.Fatalf("got %+v, %v; want %+v", got, err, c.want)
 				}
 				return
@@ -385,6 +479,8 @@ func seedCorpus(f *testing.F) {
 		}
 	}
 	f.Add(EncodeMetadata(Metadata{EngineID: "e", KVCachesBaseAddr: []uint64{1}, Ext: Ext{BootEpoch: 3}}))
+	f.Add(EncodeMetadata(Metadata{EngineID: "e", KVCachesBaseAddr: []uint64{1}, Ext: Ext{LeaseTTL: time.Second}}))
+	f.Add(EncodeRenew([]string{"a", "bc"}))
 	f.Add([]byte("ACK"))
 	f.Add([]byte("ERR x"))
 }
@@ -401,7 +497,7 @@ func FuzzDecodeRequest(f *testing.F) {
 		}
 		// Re-encoding gives the canonical form, which decodes to the same request.
 		again, err := DecodeRequest(EncodeRequest(req))
-		if err != nil || again != req {
+		if err != nil || !reflect.DeepEqual(again, req) {
 			t.Fatalf("re-encode of %+v: %+v %v", req, again, err)
 		}
 	})

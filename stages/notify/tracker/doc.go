@@ -16,12 +16,13 @@
 //
 // # API
 //
-//	New(Options{AbortTimeout, MaxRecords, EarlyDoneQuorum}) *Tracker
+//	New(Options{AbortTimeout, LeaseTTL, MaxRecords, EarlyDoneQuorum}) *Tracker
 //	(Options).Validate() error
 //	(*Tracker).AddNotTransfer(id string)
 //	(*Tracker).AddDelayed(id string, start time.Time, expectedDones int, blockIDs []int) (gen uint64)
 //	(*Tracker).Done(id string, now time.Time) (DoneResult, error)   // ErrAlreadyFinished
 //	(*Tracker).Abort(id string) bool
+//	(*Tracker).Renew(id string, now time.Time) bool                 // leases (kvflow only)
 //	(*Tracker).Finished(now time.Time) []Freed                      // Freed{ID, Reason}
 //	(*Tracker).IsHeld(id string, gen uint64) bool
 //	(*Tracker).Held(id string) (gen uint64, blocks []int, ok bool)
@@ -72,12 +73,16 @@
 //  2. AddNotTransfer of a held request frees it at once (reason
 //     not_transfer) and ends its read grant; the seed reports it but keeps
 //     its delayed entry, to report it again when that expires.
-//  3. Bounded (§5b.6). Early-DONE records and finished requests are
-//     remembered for AbortTimeout (early DONEs from the Done's now,
-//     finished requests from the Finished that reported them) and at most
-//     MaxRecords of them, oldest first; the seed's record_finished_requests
-//     grows forever. A record still awaiting its report is never forgotten.
-//     Records are forgotten at Finished (age) and on insertion (count).
+//  3. Bounded (§5b.6). Early-DONE records and finished requests
+//     (tombstones) are remembered by count, not by time: at most
+//     MaxRecords of them, oldest first (early DONEs from their first Done,
+//     finished requests from the Finished that reported them); the seed's
+//     record_finished_requests grows forever. A record still awaiting its
+//     report is never forgotten. Records are evicted at Finished and on
+//     insertion. Nothing ages by time, so a DONE however late (a slow
+//     decode after a force-free) finds its tombstone and is a duplicate,
+//     never a second report, as long as fewer than MaxRecords requests
+//     finished after it.
 //  4. Several DONEs (§5b.5). AddDelayed takes the expected DONE count; the
 //     request is freed by the last one, or at the abort timeout; the seed
 //     frees on the first. Early DONEs count toward it. Because the seed
@@ -86,12 +91,36 @@
 //     to the deployment's DONE count (Stats.EarlyShort counts the requests
 //     freed that way with fewer DONEs than AddDelayed later expected).
 //
-// Limitation: a request forgotten under rule 3 is new to the tracker; an
-// operation on it after that (a DONE more than AbortTimeout late, or beyond
-// MaxRecords) behaves as for an unknown request (for a DONE: an early DONE,
-// reported again). The tracker cannot tell an early DONE from a DONE for a
+// Limitation: a request evicted under rule 3 is new to the tracker; an
+// operation on it after that (a DONE arriving after MaxRecords later
+// requests finished) behaves as for an unknown request (for a DONE: an
+// early DONE, reported again). The tracker cannot tell an early DONE from a DONE for a
 // request it never heard of, so there is no "unknown" error: both are
 // DoneEarly, as in the seed.
+//
+// # Leases (kvflow ↔ kvflow; not in the seed)
+//
+// With Options.LeaseTTL > 0 the prefill side advertises leases in its
+// metadata and kvflow decode workers send RENEW for the requests they are
+// still pulling, every LeaseTTL/3. Renew(id, now) moves a held request's
+// lease end to now + LeaseTTL (never backwards). A renewed request is
+// force-freed when now > max(start + AbortTimeout, lastRenew + LeaseTTL):
+//
+//   - the abort timeout stays a floor: a Renew never frees earlier than
+//     without leases, and a request never renewed (a seed decode, or a
+//     decode that never reached it) expires at the abort timeout as in the
+//     seed;
+//   - a live decode that keeps renewing keeps its blocks however slow its
+//     reads, so the abort timeout can be short (it then only has to cover
+//     the time until the decode's first Renew: its queue and handshake);
+//   - a decode that dies stops renewing: its requests are force-freed
+//     LeaseTTL after its last Renew (or at the abort timeout, if later).
+//
+// Renewed requests leave the seed's head-of-line scan: they are kept in
+// order of last renewal, so a live lease at the head never holds back the
+// expiry of others, and never-renewed requests keep the seed's exact order.
+// A Renew of a request that is not held records nothing (no early
+// renewals): it cannot re-arm a finished request.
 //
 // # Never
 //

@@ -29,9 +29,21 @@ func checkInvariants(t testing.TB, tr *Tracker) {
 	inHeld, inMem := 0, 0
 	for el := tr.held.Front(); el != nil; el = el.Next() {
 		e := el.Value.(*entry)
-		if e.st != stHeld || tr.byID[e.id] != e || e.el != el || e.gen == 0 || e.received >= e.expected {
+		if e.st != stHeld || e.leased || tr.byID[e.id] != e || e.el != el || e.gen == 0 || e.received >= e.expected {
 			t.Fatalf("bad held entry %+v", e)
 		}
+		inHeld++
+	}
+	var lastLease time.Time
+	for el := tr.leased.Front(); el != nil; el = el.Next() {
+		e := el.Value.(*entry)
+		if e.st != stHeld || !e.leased || tr.byID[e.id] != e || e.el != el || e.gen == 0 || e.received >= e.expected {
+			t.Fatalf("bad leased entry %+v", e)
+		}
+		if e.lease.Before(lastLease) {
+			t.Fatalf("lease ends decrease at %s", e.id)
+		}
+		lastLease = e.lease
 		inHeld++
 	}
 	var last time.Time
@@ -67,6 +79,7 @@ type reqScript struct {
 	dones, earlyDones int
 	armed             bool
 	lastStart         time.Time
+	lastRenew         time.Time // last Renew that returned true
 	reported          int
 	reason            Reason
 }
@@ -95,7 +108,11 @@ func lifecycles(t *testing.T, seed uint64) {
 	if rng.IntN(3) == 0 {
 		quorum = 2
 	}
-	tr := New(Options{AbortTimeout: timeout * time.Second, EarlyDoneQuorum: quorum, MaxRecords: 1 << 20})
+	var lease time.Duration
+	if rng.IntN(2) == 0 {
+		lease = 30 * time.Second
+	}
+	tr := New(Options{AbortTimeout: timeout * time.Second, LeaseTTL: lease, EarlyDoneQuorum: quorum, MaxRecords: 1 << 20})
 	var evs []event
 	reqs := make([]*reqScript, 40+rng.IntN(80))
 	for i := range reqs {
@@ -116,6 +133,11 @@ func lifecycles(t *testing.T, seed uint64) {
 			}
 			if rng.IntN(6) == 0 {
 				evs = append(evs, event{at(), r, "abort"})
+			}
+			if rng.IntN(2) == 0 { // renewals, some long after the abort timeout
+				for k := range 1 + rng.IntN(6) {
+					evs = append(evs, event{base + 1 + float64(k)*(10+rng.Float64()*30), r, "renew"})
+				}
 			}
 		}
 		if rng.IntN(4) == 0 { // stray op late in its life
@@ -160,6 +182,9 @@ func lifecycles(t *testing.T, seed uint64) {
 				if !r.armed || at(now).Sub(r.lastStart) <= timeout*time.Second || r.dones >= r.n {
 					t.Fatalf("%s expired wrongly: armed %v, now %v start %v, dones %d/%d", r.id, r.armed, now, r.lastStart, r.dones, r.n)
 				}
+				if !r.lastRenew.IsZero() && !at(now).After(r.lastRenew.Add(lease)) {
+					t.Fatalf("%s expired at %v inside its lease (renewed %v, ttl %v)", r.id, now, r.lastRenew, lease)
+				}
 			}
 			if r.gen != 0 && tr.IsHeld(r.id, r.gen) {
 				t.Fatalf("%s reported but still held", r.id)
@@ -200,6 +225,15 @@ func lifecycles(t *testing.T, seed uint64) {
 				}
 				r.dones++
 			}
+		case "renew":
+			held := r.armed && r.reported == 0 && tr.IsHeld(r.id, r.gen)
+			got := tr.Renew(r.id, at(ev.at))
+			if got != (held && lease > 0) {
+				t.Fatalf("%s: Renew %v, held %v, lease %v", r.id, got, held, lease)
+			}
+			if got {
+				r.lastRenew = at(ev.at)
+			}
 		case "abort":
 			if tr.Abort(r.id) {
 				r.abort = true
@@ -225,8 +259,19 @@ func lifecycles(t *testing.T, seed uint64) {
 	if sum != uint64(len(reqs)) {
 		t.Fatalf("stats freed %d, want %d", sum, len(reqs))
 	}
-	if len(tr.byID) != 0 || tr.held.Len() != 0 || tr.mem.Len() != 0 || len(tr.pending) != 0 {
-		t.Fatalf("left behind: byID %d held %d mem %d pending %d", len(tr.byID), tr.held.Len(), tr.mem.Len(), len(tr.pending))
+	if len(tr.byID) != tr.mem.Len() || tr.held.Len() != 0 || tr.leased.Len() != 0 || len(tr.pending) != 0 {
+		t.Fatalf("left behind: byID %d held %d leased %d mem %d pending %d", len(tr.byID), tr.held.Len(), tr.leased.Len(), tr.mem.Len(), len(tr.pending))
+	}
+	// Tombstones do not age: a DONE however late is never reported again.
+	for _, r := range reqs {
+		if _, err := tr.Done(r.id, at(1e6)); err == nil && tr.byID[r.id].st != stEarly {
+			t.Fatalf("%s: late DONE accepted", r.id)
+		}
+		tr.AddDelayed(r.id, at(1e6), 1, nil)
+		tr.Renew(r.id, at(1e6))
+	}
+	if fs := tr.Finished(at(1e7)); len(fs) != 0 {
+		t.Fatalf("late DONEs reported again: %v", fs)
 	}
 }
 
@@ -238,6 +283,7 @@ func runOps(t testing.TB, data []byte) {
 	}
 	tr := New(Options{
 		AbortTimeout:    time.Duration(data[0]%8) * time.Second,
+		LeaseTTL:        time.Duration(data[0]/8%4) * time.Second,
 		MaxRecords:      1 + int(data[1]%6),
 		EarlyDoneQuorum: 1 + int(data[1]/6%3),
 	})
@@ -246,7 +292,7 @@ func runOps(t testing.TB, data []byte) {
 	gens := map[string]uint64{}
 	for i := 2; i+1 < len(data); i += 2 {
 		id := fmt.Sprintf("r%d", data[i+1]%6)
-		switch data[i] % 7 {
+		switch data[i] % 8 {
 		case 0:
 			tr.AddNotTransfer(id)
 		case 1, 2:
@@ -282,16 +328,22 @@ func runOps(t testing.TB, data []byte) {
 			if ok != tr.IsHeld(id, g) {
 				t.Fatalf("Held/IsHeld disagree for %s", id)
 			}
+		case 7:
+			_, _, held := tr.Held(id)
+			if got := tr.Renew(id, at(now-float64(data[i+1]%3))); got != (held && tr.opts.LeaseTTL > 0) {
+				t.Fatalf("Renew %s: %v, held %v", id, got, held)
+			}
 		}
 		checkInvariants(t, tr)
 	}
-	// Everything drains once time moves far enough.
+	// Every hold ends once time moves far enough; only tombstones (at most
+	// MaxRecords) stay.
 	for range 2 {
 		now += 1e3
 		tr.Finished(at(now))
 	}
-	if len(tr.byID) != 0 || tr.held.Len() != 0 || tr.mem.Len() != 0 {
-		t.Fatalf("not drained: byID %d held %d mem %d", len(tr.byID), tr.held.Len(), tr.mem.Len())
+	if len(tr.byID) != tr.mem.Len() || tr.held.Len() != 0 || tr.leased.Len() != 0 || len(tr.pending) != 0 {
+		t.Fatalf("not drained: byID %d held %d leased %d mem %d", len(tr.byID), tr.held.Len(), tr.leased.Len(), tr.mem.Len())
 	}
 }
 

@@ -33,10 +33,11 @@ import (
 //	nt-held   add_not_transfer_request on a held request frees it at once
 //	          (the seed reports it but keeps its delayed entry, to report it
 //	          again at expiry).
-//	bounded   at get_and_clear_finished_requests(now) a record (early DONE,
-//	          or finished request) older than the timeout is forgotten; an
-//	          early DONE is stamped with the script's clock, the last `now`
-//	          seen (§5b.6).
+//	bounded   records (early DONEs, finished tombstones) are bounded by
+//	          count (MaxRecords, §5b.6), never by time; no vector case comes
+//	          near the default bound, so the rule never fires here and the
+//	          model keeps every record (as the seed keeps
+//	          record_finished_requests).
 
 const vectorsPath = "../../../testdata/seedref/task_tracker.json"
 
@@ -238,15 +239,6 @@ func (k *kvflowModel) apply(s vecStep) (result []string, rules []string) {
 		for _, id := range result {
 			if k.mem[id] == nil {
 				k.mem[id] = k.stamp(now)
-			}
-		}
-		for id, st := range k.mem {
-			if st != nil && now-*st > k.timeout {
-				delete(k.mem, id)
-				if k.R[id] {
-					rules = append(rules, "bounded")
-				}
-				delete(k.R, id)
 			}
 		}
 	}

@@ -12,10 +12,11 @@ import (
 // (480 s), the seed's force-free delay.
 const DefaultAbortTimeout = 480 * time.Second
 
-// DefaultMaxRecords bounds the remembered early-DONE and finished records.
-// 480 s at 100 requests/s per prefill worker is 48 000 requests: 65 536
-// keeps every record for a full abort timeout at that rate (about 100 bytes
-// each, so ~7 MiB), and evicts the oldest beyond it.
+// DefaultMaxRecords bounds the remembered early-DONE records and
+// finished-request tombstones (by count; they do not age). 480 s at 100
+// requests/s per prefill worker is 48 000 requests: 65 536 remembers every
+// request finished within a full abort timeout at that rate (about 150
+// bytes each with the index, so ~10 MiB), and evicts the oldest beyond it.
 const DefaultMaxRecords = 1 << 16
 
 // ErrAlreadyFinished is returned by Done for a request the tracker has
@@ -26,13 +27,19 @@ var ErrAlreadyFinished = errors.New("tracker: request already finished")
 // Options configure a Tracker. The zero value is usable.
 type Options struct {
 	// AbortTimeout is how long a delayed request may wait for its DONEs
-	// before it is force-freed (strictly: now - start > AbortTimeout), and
-	// how long early-DONE and finished records are remembered. 0 selects
-	// DefaultAbortTimeout; a negative value selects a timeout of zero (vLLM's
+	// before it is force-freed (strictly: now - start > AbortTimeout; see
+	// LeaseTTL for renewed requests). 0 selects DefaultAbortTimeout; a
+	// negative value selects a timeout of zero (vLLM's
 	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT=0).
 	AbortTimeout time.Duration
-	// MaxRecords bounds the remembered early-DONE and finished records
-	// (oldest evicted first). 0 selects DefaultMaxRecords.
+	// LeaseTTL is how long one Renew keeps a held request from being
+	// force-freed: a renewed request expires when now > max(start +
+	// AbortTimeout, lastRenew + LeaseTTL). 0 (the default) turns leases off:
+	// Renew does nothing. Negative values select 0.
+	LeaseTTL time.Duration
+	// MaxRecords bounds the remembered early-DONE records and finished
+	// tombstones, by count (oldest evicted first; nothing ages by time).
+	// 0 selects DefaultMaxRecords.
 	MaxRecords int
 	// EarlyDoneQuorum is how many DONEs a request the tracker does not yet
 	// hold needs before it is reported freed. 0 selects 1, the seed's rule
@@ -51,6 +58,9 @@ func (o Options) Validate() error {
 	if o.EarlyDoneQuorum < 0 {
 		errs = append(errs, fmt.Errorf("tracker: EarlyDoneQuorum %d < 0", o.EarlyDoneQuorum))
 	}
+	if o.LeaseTTL < 0 {
+		errs = append(errs, fmt.Errorf("tracker: LeaseTTL %v < 0", o.LeaseTTL))
+	}
 	return errors.Join(errs...)
 }
 
@@ -63,6 +73,9 @@ func (o Options) normalized() Options {
 	}
 	if o.MaxRecords <= 0 {
 		o.MaxRecords = DefaultMaxRecords
+	}
+	if o.LeaseTTL < 0 {
+		o.LeaseTTL = 0
 	}
 	if o.EarlyDoneQuorum <= 0 {
 		o.EarlyDoneQuorum = 1
@@ -78,7 +91,8 @@ const (
 	ReasonDone Reason = iota + 1
 	// ReasonNotTransfer: this rank never waited for a DONE.
 	ReasonNotTransfer
-	// ReasonExpired: force-freed after AbortTimeout without its DONEs.
+	// ReasonExpired: force-freed after AbortTimeout (and, if renewed, its
+	// lease) without its DONEs.
 	ReasonExpired
 	// ReasonAborted: freed by Abort.
 	ReasonAborted
@@ -147,9 +161,10 @@ type DoneResult struct {
 
 // Stats are the tracker's counters and sizes, for metrics.
 type Stats struct {
-	Held    int // requests awaiting DONE
+	Held    int // requests awaiting DONE (Leased included)
+	Leased  int // held requests renewed at least once
 	Pending int // freed, not yet reported by Finished
-	Records int // remembered early-DONE and finished records
+	Records int // remembered early-DONE records and finished tombstones
 
 	Delayed        uint64 // AddDelayed calls that started a hold
 	Refreshed      uint64 // AddDelayed on a held request (start refreshed, as the seed)
@@ -159,7 +174,8 @@ type Stats struct {
 	Dones          uint64 // DONEs counted toward a held request
 	EarlyDones     uint64 // DONEs recorded before the delayed-free record
 	DupDones       uint64 // DONEs for finished requests (ErrAlreadyFinished)
-	RecordsAged    uint64 // records forgotten after AbortTimeout
+	Renewals       uint64 // Renew calls that extended a held request's lease
+	RenewMisses    uint64 // Renew calls for a request not held (or leases off)
 	RecordsEvicted uint64 // records evicted by MaxRecords
 
 	// Freed counts reported requests by reason (index by Reason).
@@ -181,6 +197,7 @@ type entry struct {
 	id    string
 	st    state
 	start time.Time // stHeld: delay start
+	lease time.Time // stHeld, in t.leased: lease end (last renew + LeaseTTL)
 	stamp time.Time // in t.mem: when remembered
 	gen   uint64
 	// blocks of a held request (never mutated after being stored).
@@ -188,7 +205,8 @@ type entry struct {
 	expected int // stHeld: DONEs expected in total
 	received int // DONEs received (early ones included)
 	reported bool
-	el       *list.Element // in t.held (stHeld) or t.mem; nil when pending only
+	el       *list.Element // in t.held or t.leased (stHeld) or t.mem; nil when pending only
+	leased   bool          // stHeld: el is in t.leased
 }
 
 // Tracker is the prefill side's record of which requests wait for DONE.
@@ -199,13 +217,17 @@ type Tracker struct {
 	gen  uint64
 
 	byID map[string]*entry
-	held *list.List // *entry, stHeld, in insertion order (the seed's OrderedDict)
-	mem  *list.List // *entry, stEarly and reported stGone, oldest first
+	held *list.List // *entry, stHeld never renewed, in insertion order (the seed's OrderedDict)
+	// leased holds the renewed stHeld entries, in order of their last
+	// renewal, so in non-decreasing order of lease end.
+	leased *list.List
+	mem    *list.List // *entry, stEarly and reported stGone, oldest first
 
 	// pending is the seed's finished_requests: freed, not yet reported.
 	pending    []Freed
 	pendingSet map[string]struct{}
 	lastStamp  time.Time
+	lastRenew  time.Time
 
 	st Stats
 }
@@ -218,6 +240,7 @@ func New(opts Options) *Tracker {
 		opts:       opts.normalized(),
 		byID:       make(map[string]*entry),
 		held:       list.New(),
+		leased:     list.New(),
 		mem:        list.New(),
 		pendingSet: make(map[string]struct{}),
 	}
@@ -240,9 +263,7 @@ func (t *Tracker) AddNotTransfer(id string) {
 		t.byID[id] = e
 		t.free(e, ReasonNotTransfer)
 	case e.st == stHeld:
-		t.held.Remove(e.el)
-		e.el = nil
-		t.goneAfterHold(e)
+		t.unhold(e)
 		t.free(e, ReasonNotTransfer)
 	case e.st == stEarly && !e.reported:
 		t.mem.Remove(e.el)
@@ -343,9 +364,7 @@ func (t *Tracker) Done(id string, now time.Time) (DoneResult, error) {
 		if e.received < e.expected {
 			return DoneResult{Status: DoneWaiting, Remaining: e.expected - e.received, Gen: e.gen}, nil
 		}
-		t.held.Remove(e.el)
-		e.el = nil
-		t.goneAfterHold(e)
+		t.unhold(e)
 		t.free(e, ReasonDone)
 		return DoneResult{Status: DoneFreed, Gen: e.gen}, nil
 	case e.st == stEarly:
@@ -371,10 +390,41 @@ func (t *Tracker) Abort(id string) bool {
 	if e == nil || e.st != stHeld {
 		return false
 	}
-	t.held.Remove(e.el)
-	e.el = nil
-	t.goneAfterHold(e)
+	t.unhold(e)
 	t.free(e, ReasonAborted)
+	return true
+}
+
+// Renew extends the lease of a held request at now: until it is freed
+// otherwise, it is not force-freed before now + LeaseTTL (nor, as without
+// leases, before start + AbortTimeout). It reports whether id is held; a
+// Renew of a request that is not held (not yet AddDelayed, already
+// finished, unknown) or with leases off changes nothing and records
+// nothing. Renew never shortens a hold: the lease end only moves forward
+// (a now earlier than a previous Renew's counts as that one).
+func (t *Tracker) Renew(id string, now time.Time) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.byID[id]
+	if e == nil || e.st != stHeld || t.opts.LeaseTTL <= 0 {
+		t.st.RenewMisses++
+		return false
+	}
+	if now.Before(t.lastRenew) {
+		now = t.lastRenew
+	}
+	t.lastRenew = now
+	t.st.Renewals++
+	if until := now.Add(t.opts.LeaseTTL); until.After(e.lease) {
+		e.lease = until
+	}
+	if e.leased {
+		t.leased.MoveToBack(e.el)
+	} else {
+		t.held.Remove(e.el)
+		e.el = t.leased.PushBack(e)
+		e.leased = true
+	}
 	return true
 }
 
@@ -382,9 +432,11 @@ func (t *Tracker) Abort(id string) bool {
 // force-frees the held requests whose abort timeout passed at now (strictly
 // now - start > AbortTimeout), scanning from the oldest insertion and
 // stopping at the first unexpired one, exactly as the seed's
-// get_and_clear_finished_requests. Each request appears once, in the order
-// it was freed (expired ones last). Finally it forgets records older than
-// AbortTimeout and beyond MaxRecords.
+// get_and_clear_finished_requests. Renewed requests are not in that scan:
+// they are force-freed when now is past both start + AbortTimeout and
+// their lease end, whatever their position. Each request appears once, in
+// the order it was freed (expired ones last: never-renewed first). Finally
+// it evicts records beyond MaxRecords.
 func (t *Tracker) Finished(now time.Time) []Freed {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -397,10 +449,22 @@ func (t *Tracker) Finished(now time.Time) []Freed {
 			break
 		}
 		next := el.Next()
-		t.held.Remove(el)
-		e.el = nil
-		t.goneAfterHold(e)
+		t.unhold(e)
 		out = append(out, Freed{ID: e.id, Reason: ReasonExpired})
+		el = next
+	}
+	// Lease ends are non-decreasing along t.leased: stop at the first live
+	// lease; skip an ended lease whose abort timeout has not passed.
+	for el := t.leased.Front(); el != nil; {
+		e := el.Value.(*entry)
+		if !now.After(e.lease) {
+			break
+		}
+		next := el.Next()
+		if now.Sub(e.start) > t.opts.AbortTimeout {
+			t.unhold(e)
+			out = append(out, Freed{ID: e.id, Reason: ReasonExpired})
+		}
 		el = next
 	}
 	for _, f := range out {
@@ -409,7 +473,7 @@ func (t *Tracker) Finished(now time.Time) []Freed {
 			t.stampAt(e, now)
 		}
 	}
-	t.forget(now)
+	t.evict()
 	return out
 }
 
@@ -440,7 +504,7 @@ func (t *Tracker) Held(id string) (gen uint64, blocks []int, ok bool) {
 func (t *Tracker) Len() int {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	return t.held.Len()
+	return t.held.Len() + t.leased.Len()
 }
 
 // Stats returns a snapshot of the counters.
@@ -448,7 +512,8 @@ func (t *Tracker) Stats() Stats {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	s := t.st
-	s.Held = t.held.Len()
+	s.Held = t.held.Len() + t.leased.Len()
+	s.Leased = t.leased.Len()
 	s.Pending = len(t.pending)
 	s.Records = t.mem.Len()
 	return s
@@ -467,7 +532,16 @@ func (t *Tracker) arm(e *entry, start time.Time, expected int, blocks []int) {
 	e.el = t.held.PushBack(e)
 }
 
-func (t *Tracker) goneAfterHold(e *entry) {
+// unhold takes a held e out of its list; it becomes stGone.
+func (t *Tracker) unhold(e *entry) {
+	if e.leased {
+		t.leased.Remove(e.el)
+	} else {
+		t.held.Remove(e.el)
+	}
+	e.el = nil
+	e.leased = false
+	e.lease = time.Time{}
 	e.st = stGone
 	e.blocks = nil
 }
@@ -497,8 +571,8 @@ func (t *Tracker) early(e *entry, now time.Time) {
 	t.evict()
 }
 
-// stampAt appends e to t.mem. Stamps are clamped to be non-decreasing so
-// the oldest-first scan in forget is exact.
+// stampAt appends e to t.mem. Stamps are clamped to be non-decreasing (mem
+// is oldest first; stamps are for tests and debugging, nothing ages).
 func (t *Tracker) stampAt(e *entry, now time.Time) {
 	if now.Before(t.lastStamp) {
 		now = t.lastStamp
@@ -506,18 +580,6 @@ func (t *Tracker) stampAt(e *entry, now time.Time) {
 	t.lastStamp = now
 	e.stamp = now
 	e.el = t.mem.PushBack(e)
-}
-
-func (t *Tracker) forget(now time.Time) {
-	for el := t.mem.Front(); el != nil; el = t.mem.Front() {
-		e := el.Value.(*entry)
-		if now.Sub(e.stamp) <= t.opts.AbortTimeout {
-			break
-		}
-		t.drop(e)
-		t.st.RecordsAged++
-	}
-	t.evict()
 }
 
 // evict drops the oldest records beyond MaxRecords. A record still awaiting

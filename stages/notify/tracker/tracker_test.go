@@ -231,22 +231,35 @@ func TestGenerationsAndGrants(t *testing.T) {
 }
 
 func TestBoundedRecords(t *testing.T) {
-	t.Run("age", func(t *testing.T) {
+	t.Run("no aging", func(t *testing.T) {
+		// Records are bounded by count only: a tombstone outlives any
+		// timeout, so a DONE after a force-free, however late, is a
+		// duplicate and never a second report (the soak's
+		// TestShortAbortTimeoutGap found the time-aged version reporting
+		// requests freed twice).
 		tr := New(Options{AbortTimeout: 10 * time.Second})
 		for _, id := range []string{"a", "b", "c"} {
 			tr.Done(id, at(0)) // early, never followed by AddDelayed (§5b.6)
 		}
-		tr.Finished(at(1))
-		if st := tr.Stats(); st.Records != 3 {
-			t.Fatalf("records %d", st.Records)
+		tr.AddDelayed("x", at(0), 1, nil)
+		if got := freedIDs(tr.Finished(at(10.5))); !slices.Equal(got, []string{"a", "b", "c", "x"}) {
+			t.Fatalf("reported %v", got)
 		}
-		tr.Finished(at(10))
-		if st := tr.Stats(); st.Records != 3 {
-			t.Fatalf("records %d, want kept until strictly older", st.Records)
-		}
-		tr.Finished(at(10.5))
-		if st := tr.Stats(); st.Records != 0 || st.RecordsAged != 3 || len(tr.byID) != 0 {
+		tr.Finished(at(1e6))
+		if st := tr.Stats(); st.Records != 4 || len(tr.byID) != 4 {
 			t.Fatalf("records %+v, byID %d", st, len(tr.byID))
+		}
+		if r, err := tr.Done("x", at(1e6)); r.Status != DoneDuplicate || !errors.Is(err, ErrAlreadyFinished) {
+			t.Fatalf("late DONE after force-free: %+v %v", r, err)
+		}
+		if g := tr.AddDelayed("a", at(1e6), 1, nil); g != 0 { // consumes a's early record, as the seed
+			t.Fatal("early record re-armed")
+		}
+		if r, _ := tr.Done("a", at(1e6)); r.Status != DoneDuplicate {
+			t.Fatalf("DONE after early record consumed: %+v", r)
+		}
+		if fs := tr.Finished(at(2e6)); len(fs) != 0 {
+			t.Fatalf("reported again: %v", fs)
 		}
 	})
 	t.Run("count", func(t *testing.T) {
@@ -292,8 +305,8 @@ func TestBoundedRecords(t *testing.T) {
 			t.Fatal("MaxRecords never evicted")
 		}
 		tr.Finished(at(1e6))
-		if len(tr.byID) != 0 || tr.mem.Len() != 0 || tr.held.Len() != 0 {
-			t.Fatal("state left after everything aged out")
+		if len(tr.byID) != 100 || tr.mem.Len() != 100 || tr.held.Len() != 0 {
+			t.Fatalf("want the 100 newest tombstones: byID %d mem %d held %d", len(tr.byID), tr.mem.Len(), tr.held.Len())
 		}
 	})
 }
@@ -338,4 +351,122 @@ func TestStrings(t *testing.T) {
 	if _, err := tr.Done("x", at(0)); !errors.Is(err, ErrAlreadyFinished) || !strings.Contains(err.Error(), `"x"`) {
 		t.Fatalf("err %v", err)
 	}
+}
+
+func TestRenew(t *testing.T) {
+	t.Run("lease extends the hold past the abort timeout", func(t *testing.T) {
+		tr := New(Options{AbortTimeout: time.Second, LeaseTTL: 3 * time.Second})
+		g := tr.AddDelayed("a", at(0), 1, []int{7})
+		tr.AddDelayed("b", at(0), 1, nil) // never renewed: the seed's expiry
+		if !tr.Renew("a", at(0.5)) {
+			t.Fatal("Renew of a held request: false")
+		}
+		if fs := tr.Finished(at(1.5)); !reflect.DeepEqual(fs, []Freed{fr("b", ReasonExpired)}) {
+			t.Fatalf("at 1.5: %v", fs)
+		}
+		if !tr.IsHeld("a", g) {
+			t.Fatal("renewed request not held inside its lease")
+		}
+		tr.Renew("a", at(3))
+		tr.Renew("a", at(2)) // a clock going back never shortens the lease
+		if fs := tr.Finished(at(6)); len(fs) != 0 {
+			t.Fatalf("at 6 (lease to 6): %v", fs)
+		}
+		if fs := tr.Finished(at(6.01)); !reflect.DeepEqual(fs, []Freed{fr("a", ReasonExpired)}) {
+			t.Fatalf("at 6.01: %v", fs)
+		}
+		if tr.IsHeld("a", g) || tr.Renew("a", at(7)) {
+			t.Fatal("expired request still held / renewable")
+		}
+		st := tr.Stats()
+		if st.Renewals != 3 || st.RenewMisses != 1 || st.Leased != 0 || st.Held != 0 || st.Forced() != 2 {
+			t.Fatalf("stats %+v", st)
+		}
+	})
+	t.Run("the abort timeout stays a floor", func(t *testing.T) {
+		tr := New(Options{AbortTimeout: 10 * time.Second, LeaseTTL: time.Second})
+		tr.AddDelayed("a", at(0), 1, nil)
+		tr.Renew("a", at(1)) // lease to 2, abort timeout to 10
+		if fs := tr.Finished(at(5)); len(fs) != 0 {
+			t.Fatalf("freed before the abort timeout: %v", fs)
+		}
+		if fs := tr.Finished(at(10.5)); !reflect.DeepEqual(fs, []Freed{fr("a", ReasonExpired)}) {
+			t.Fatalf("at 10.5: %v", fs)
+		}
+	})
+	t.Run("a live lease does not hold back others", func(t *testing.T) {
+		tr := New(Options{AbortTimeout: time.Second, LeaseTTL: time.Hour})
+		tr.AddDelayed("live", at(0), 1, nil)
+		tr.AddDelayed("dead", at(0), 1, nil)
+		tr.AddDelayed("seed", at(0), 1, nil)
+		tr.Renew("live", at(0.1))
+		tr.Renew("dead", at(0.1)) // lease to 3600.1
+		tr.Renew("live", at(0.2)) // live is now behind dead in lease order
+		if fs := tr.Finished(at(2)); !reflect.DeepEqual(fs, []Freed{fr("seed", ReasonExpired)}) {
+			t.Fatalf("at 2: %v", fs)
+		}
+		for i := 1; i < 10; i++ {
+			tr.Renew("live", at(float64(i)*1000))
+		}
+		if fs := tr.Finished(at(3600.5)); !reflect.DeepEqual(fs, []Freed{fr("dead", ReasonExpired)}) {
+			t.Fatalf("at 3600.5: %v", fs)
+		}
+		if r, err := tr.Done("live", at(9500)); r.Status != DoneFreed || err != nil {
+			t.Fatalf("DONE of the live request: %+v %v", r, err)
+		}
+		if fs := tr.Finished(at(9500)); !reflect.DeepEqual(fs, []Freed{fr("live", ReasonDone)}) {
+			t.Fatalf("at 9500: %v", fs)
+		}
+	})
+	t.Run("ended lease, abort timeout not passed, others behind expire", func(t *testing.T) {
+		tr := New(Options{AbortTimeout: 10 * time.Second, LeaseTTL: time.Second})
+		tr.AddDelayed("late", at(5), 1, nil) // abort floor at 15
+		tr.AddDelayed("early", at(0), 1, nil)
+		tr.Renew("late", at(5)) // lease to 6
+		tr.Renew("early", at(6))
+		if fs := tr.Finished(at(12)); !reflect.DeepEqual(fs, []Freed{fr("early", ReasonExpired)}) {
+			t.Fatalf("at 12: %v", fs)
+		}
+		if fs := tr.Finished(at(15.5)); !reflect.DeepEqual(fs, []Freed{fr("late", ReasonExpired)}) {
+			t.Fatalf("at 15.5: %v", fs)
+		}
+	})
+	t.Run("not held, leases off", func(t *testing.T) {
+		tr := New(Options{LeaseTTL: time.Second})
+		if tr.Renew("unknown", at(0)) {
+			t.Fatal("Renew of an unknown request")
+		}
+		if tr.AddDelayed("unknown", at(0), 1, nil) == 0 || tr.Stats().Leased != 0 {
+			t.Fatal("a Renew before AddDelayed left a record")
+		}
+		off := New(Options{AbortTimeout: time.Second})
+		off.AddDelayed("a", at(0), 1, nil)
+		if off.Renew("a", at(0.5)) {
+			t.Fatal("Renew with LeaseTTL 0")
+		}
+		if fs := off.Finished(at(1.5)); !reflect.DeepEqual(fs, []Freed{fr("a", ReasonExpired)}) {
+			t.Fatalf("leases off: %v", fs)
+		}
+		if err := (Options{LeaseTTL: -1}).Validate(); err == nil || !strings.Contains(err.Error(), "LeaseTTL") {
+			t.Fatalf("Validate: %v", err)
+		}
+	})
+	t.Run("abort, not-transfer and DONE end a leased hold", func(t *testing.T) {
+		tr := New(Options{AbortTimeout: time.Second, LeaseTTL: time.Hour})
+		for _, id := range []string{"a", "b", "c"} {
+			tr.AddDelayed(id, at(0), 1, nil)
+			tr.Renew(id, at(0))
+		}
+		tr.Abort("a")
+		tr.AddNotTransfer("b")
+		tr.Done("c", at(1))
+		want := []Freed{fr("a", ReasonAborted), fr("b", ReasonNotTransfer), fr("c", ReasonDone)}
+		if fs := tr.Finished(at(2)); !reflect.DeepEqual(fs, want) {
+			t.Fatalf("%v", fs)
+		}
+		checkInvariants(t, tr)
+		if st := tr.Stats(); st.Held != 0 || st.Leased != 0 {
+			t.Fatalf("%+v", st)
+		}
+	})
 }
