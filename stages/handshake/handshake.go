@@ -66,11 +66,13 @@ type Cache struct {
 	idx map[Key]*list.Element
 
 	hits, misses, invalidations, errs prometheus.Counter
+	restarts                          prometheus.Counter
 }
 
 type entry struct {
-	key  Key
-	meta job.Meta
+	key   Key
+	meta  job.Meta
+	stale bool // invalidated: a miss, kept to compare the next boot epoch
 }
 
 // NewCache makes a cache over f.
@@ -99,12 +101,16 @@ func NewCache(f Fetcher, opts Options) (*Cache, error) {
 		Help: "Metadata fetches that failed.",
 	})
 	c.invalidations, c.errs = inv, fe
+	c.restarts = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvflow_handshake_peer_restarts_total",
+		Help: "Re-fetched metadata whose boot epoch differed from the cached one: the prefill peer restarted.",
+	})
 	size := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "kvflow_handshake_cache_entries",
 		Help: "Peers whose metadata is cached.",
 	}, func() float64 { return float64(c.Len()) })
 	if opts.Registerer != nil {
-		for _, col := range []prometheus.Collector{lookups, inv, fe, size} {
+		for _, col := range []prometheus.Collector{lookups, inv, fe, size, c.restarts} {
 			if err := opts.Registerer.Register(col); err != nil {
 				return nil, fmt.Errorf("handshake: register metrics: %w", err)
 			}
@@ -113,11 +119,17 @@ func NewCache(f Fetcher, opts Options) (*Cache, error) {
 	return c, nil
 }
 
-// Len is the number of cached peers.
+// Len is the number of peers with valid cached metadata.
 func (c *Cache) Len() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.lru.Len()
+	n := 0
+	for el := c.lru.Front(); el != nil; el = el.Next() {
+		if !el.Value.(*entry).stale {
+			n++
+		}
+	}
+	return n
 }
 
 // Get returns k's metadata, fetching it on a miss.
@@ -175,7 +187,7 @@ func (c *Cache) lookup(k Key) (job.Meta, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	el, ok := c.idx[k]
-	if !ok {
+	if !ok || el.Value.(*entry).stale {
 		return job.Meta{}, false
 	}
 	c.lru.MoveToFront(el)
@@ -186,7 +198,11 @@ func (c *Cache) store(k Key, m job.Meta) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if el, ok := c.idx[k]; ok {
-		el.Value.(*entry).meta = m
+		e := el.Value.(*entry)
+		if old := e.meta.BootEpoch; old != 0 && m.BootEpoch != 0 && old != m.BootEpoch {
+			c.restarts.Inc() // the peer restarted: its addresses are new
+		}
+		e.meta, e.stale = m, false
 		c.lru.MoveToFront(el)
 		return
 	}
@@ -204,11 +220,10 @@ func (c *Cache) Invalidate(k Key) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	el, ok := c.idx[k]
-	if !ok {
+	if !ok || el.Value.(*entry).stale {
 		return false
 	}
-	c.lru.Remove(el)
-	delete(c.idx, k)
+	el.Value.(*entry).stale = true
 	c.invalidations.Inc()
 	return true
 }

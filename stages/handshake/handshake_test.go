@@ -127,3 +127,29 @@ func TestBoundedAndChecks(t *testing.T) {
 		t.Fatalf("cache holds %d, bound 3", c.Len())
 	}
 }
+
+// A re-fetch after invalidation that brings a new boot epoch counts a
+// peer restart.
+func TestBootEpochRestart(t *testing.T) {
+	var epoch atomic.Uint64
+	epoch.Store(1)
+	f := FetcherFunc(func(ctx context.Context, ep string) (job.Meta, error) {
+		m := meta("P")
+		m.BootEpoch = epoch.Load()
+		return m, nil
+	})
+	c, _ := NewCache(f, Options{})
+	k := Key{"P", "h:1"}
+	c.Get(context.Background(), k)
+	c.Invalidate(k)
+	c.Get(context.Background(), k) // same epoch: no restart
+	if got := testutil.ToFloat64(c.restarts); got != 0 {
+		t.Fatalf("restarts %v after a same-epoch re-fetch", got)
+	}
+	epoch.Store(2)
+	c.Invalidate(k)
+	m, _ := c.Get(context.Background(), k)
+	if m.BootEpoch != 2 || testutil.ToFloat64(c.restarts) != 1 {
+		t.Fatalf("epoch %d restarts %v", m.BootEpoch, testutil.ToFloat64(c.restarts))
+	}
+}
