@@ -2,14 +2,14 @@ package demo
 
 import (
 	"fmt"
-	"math"
 	"net/http"
-	"sort"
 	"time"
 
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
+
+	"github.com/kvflow/kvflow/internal/stagehist"
 )
 
 // scrape fetches one worker's metric families.
@@ -27,77 +27,24 @@ func scrape(addr string) (map[string]*dto.MetricFamily, error) {
 	return p.TextToMetricFamilies(resp.Body)
 }
 
-type buckets struct {
-	upper []float64
-	cum   []float64
-	count float64
-}
-
-// stageLatencies merges the decode workers' kvflow_stage_duration_seconds
-// histograms by stage and reads p50 and p99 off them (linear inside a
-// bucket, as PromQL's histogram_quantile does).
+// stageLatencies sums the decode workers' kvflow_stage_duration_seconds
+// histograms by stage and reads p50 and p99 off them.
 func (d *driver) stageLatencies() []StageLatency {
-	merged := map[string]*buckets{}
-	var order []string
+	set := stagehist.Set{}
 	for _, w := range d.decode {
 		mfs, err := scrape(w.metrics)
 		if err != nil {
 			continue
 		}
-		mf := mfs["kvflow_stage_duration_seconds"]
-		if mf == nil {
-			continue
+		fams := make([]*dto.MetricFamily, 0, len(mfs))
+		for _, mf := range mfs {
+			fams = append(fams, mf)
 		}
-		for _, m := range mf.GetMetric() {
-			stage := ""
-			for _, l := range m.GetLabel() {
-				if l.GetName() == "stage" {
-					stage = l.GetValue()
-				}
-			}
-			h := m.GetHistogram()
-			b := merged[stage]
-			if b == nil {
-				b = &buckets{}
-				for _, bk := range h.GetBucket() {
-					b.upper = append(b.upper, bk.GetUpperBound())
-					b.cum = append(b.cum, 0)
-				}
-				merged[stage] = b
-				order = append(order, stage)
-			}
-			for i, bk := range h.GetBucket() {
-				if i < len(b.cum) {
-					b.cum[i] += float64(bk.GetCumulativeCount())
-				}
-			}
-			b.count += float64(h.GetSampleCount())
-		}
+		set.Add(fams)
 	}
-	rank := map[string]int{"plan": 0, "handshake": 1, "read": 2, "stitch": 3, "notify": 4}
-	sort.SliceStable(order, func(i, j int) bool { return rank[order[i]] < rank[order[j]] })
 	var out []StageLatency
-	for _, st := range order {
-		b := merged[st]
-		out = append(out, StageLatency{Stage: st, P50: b.quantile(0.5), P99: b.quantile(0.99), Count: b.count})
+	for _, l := range set.Since(nil) {
+		out = append(out, StageLatency{Stage: l.Stage, P50: l.P50, P99: l.P99, Count: l.Items})
 	}
 	return out
-}
-
-func (b *buckets) quantile(q float64) float64 {
-	if b.count == 0 {
-		return math.NaN()
-	}
-	target := q * b.count
-	lower, prev := 0.0, 0.0
-	for i, up := range b.upper {
-		if b.cum[i] >= target {
-			if b.cum[i] == prev {
-				return up
-			}
-			return lower + (up-lower)*(target-prev)/(b.cum[i]-prev)
-		}
-		lower, prev = up, b.cum[i]
-	}
-	return lower // beyond the last finite bucket
 }

@@ -6,11 +6,18 @@ import (
 	"github.com/kvflow/kvflow/hw/mooncake"
 	"github.com/kvflow/kvflow/hw/npu"
 	"github.com/kvflow/kvflow/internal/sidechannel"
+	"github.com/kvflow/kvflow/stages/handshake"
 	"github.com/kvflow/kvflow/stages/job"
 	"github.com/kvflow/kvflow/stages/plan"
+	"github.com/kvflow/kvflow/stages/read"
 )
 
-// fetcher adapts the side-channel client to handshake.Fetcher.
+// Fetcher adapts a side-channel client to handshake.Fetcher.
+func Fetcher(c *sidechannel.Client) handshake.Fetcher { return fetcher{c} }
+
+// Transfer adapts a transfer engine to read.Transfer.
+func Transfer(e mooncake.Engine) read.Transfer { return transfer{e} }
+
 type fetcher struct{ c *sidechannel.Client }
 
 func (f fetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, error) {
@@ -22,7 +29,6 @@ func (f fetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, error)
 		NumBlocks: m.NumBlocks, BootEpoch: m.Ext.BootEpoch, LeaseTTL: m.Ext.LeaseTTL}, nil
 }
 
-// transfer adapts a mooncake engine to read.Transfer.
 type transfer struct{ e mooncake.Engine }
 
 func (t transfer) BatchRead(ctx context.Context, session string, ops []plan.Op) error {

@@ -11,13 +11,11 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/kvflow/kvflow/hw/mooncake"
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/faults"
 	"github.com/kvflow/kvflow/internal/node"
 	"github.com/kvflow/kvflow/internal/sidechannel"
-	"github.com/kvflow/kvflow/stages/job"
 	"github.com/kvflow/kvflow/stages/plan"
 )
 
@@ -264,8 +262,8 @@ func (c *Cluster) Reset(sched func(rank int) faults.Schedule) error {
 			Topology:           cfg.Topology(),
 			Self:               cfg.Self(),
 			LocalEngineID:      cfg.KVTransfer.EngineID,
-			Fetcher:            in.Fetcher(fetcher{n.Client}),
-			Transfer:           in.Transfer(transfer{n.Engine}),
+			Fetcher:            in.Fetcher(node.Fetcher(n.Client)),
+			Transfer:           in.Transfer(node.Transfer(n.Engine)),
 			Sender:             in.Sender(sender{n.Client, d}),
 			Renewer:            n.Client,
 			Kernel:             n.Device,
@@ -313,30 +311,7 @@ func (c *Cluster) Close() error {
 	return errors.Join(errs...)
 }
 
-// The adapters below are node's (internal/node/adapters.go), plus a DONE
-// counter in the sender.
-
-type fetcher struct{ c *sidechannel.Client }
-
-func (f fetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, error) {
-	m, err := f.c.GetMeta(ctx, endpoint)
-	if err != nil {
-		return job.Meta{}, err
-	}
-	return job.Meta{EngineID: m.EngineID, TERPCPort: m.TERPCPort, BaseAddrs: m.KVCachesBaseAddr,
-		NumBlocks: m.NumBlocks, BootEpoch: m.Ext.BootEpoch, LeaseTTL: m.Ext.LeaseTTL}, nil
-}
-
-type transfer struct{ e mooncake.Engine }
-
-func (t transfer) BatchRead(ctx context.Context, session string, ops []plan.Op) error {
-	mops := make([]mooncake.Op, len(ops))
-	for i, op := range ops {
-		mops[i] = mooncake.Op{Local: op.Local, Remote: op.Remote, Length: op.Len}
-	}
-	return t.e.BatchRead(ctx, session, mops)
-}
-
+// sender is a side-channel sender that counts DONEs.
 type sender struct {
 	c *sidechannel.Client
 	d *DecodeRank

@@ -6,13 +6,11 @@ import (
 	"log/slog"
 	"math"
 	"slices"
-	"sort"
 	"time"
-
-	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/prefill"
+	"github.com/kvflow/kvflow/internal/stagehist"
 )
 
 // Modes.
@@ -326,95 +324,25 @@ func summarize(d []time.Duration) Latency {
 	return Latency{Count: len(s), P50: q(0.5), P99: q(0.99), Max: s[len(s)-1]}
 }
 
-// hist is one stage's cumulative buckets summed over decode ranks.
-type hist struct {
-	upper []float64
-	cum   []float64
-	count float64
-}
-
-func (c *cluster) gather() map[string]*hist {
-	out := map[string]*hist{}
+// gather sums the decode ranks' stage histograms.
+func (c *cluster) gather() stagehist.Set {
+	out := stagehist.Set{}
 	for _, reg := range c.regs {
-		mfs, err := reg.Gather()
-		if err != nil {
-			continue
-		}
-		for _, mf := range mfs {
-			if mf.GetName() != "kvflow_stage_duration_seconds" {
-				continue
-			}
-			for _, m := range mf.GetMetric() {
-				addHist(out, m)
-			}
+		if mfs, err := reg.Gather(); err == nil {
+			out.Add(mfs)
 		}
 	}
 	return out
 }
 
-func addHist(out map[string]*hist, m *dto.Metric) {
-	stage := ""
-	for _, l := range m.GetLabel() {
-		if l.GetName() == "stage" {
-			stage = l.GetValue()
-		}
-	}
-	h := m.GetHistogram()
-	b := out[stage]
-	if b == nil {
-		b = &hist{}
-		for _, bk := range h.GetBucket() {
-			b.upper = append(b.upper, bk.GetUpperBound())
-			b.cum = append(b.cum, 0)
-		}
-		out[stage] = b
-	}
-	for i, bk := range h.GetBucket() {
-		if i < len(b.cum) {
-			b.cum[i] += float64(bk.GetCumulativeCount())
-		}
-	}
-	b.count += float64(h.GetSampleCount())
-}
-
-func stageDelta(before, after map[string]*hist) []StageLatency {
-	rank := map[string]int{"plan": 0, "handshake": 1, "read": 2, "stitch": 3, "notify": 4}
-	var names []string
-	for n := range after {
-		names = append(names, n)
-	}
-	sort.Slice(names, func(i, j int) bool { return rank[names[i]] < rank[names[j]] })
+func stageDelta(before, after stagehist.Set) []StageLatency {
 	var out []StageLatency
-	for _, n := range names {
-		a := after[n]
-		d := &hist{upper: a.upper, cum: slices.Clone(a.cum), count: a.count}
-		if b := before[n]; b != nil {
-			for i := range d.cum {
-				if i < len(b.cum) {
-					d.cum[i] -= b.cum[i]
-				}
-			}
-			d.count -= b.count
+	for _, l := range after.Since(before) {
+		p50, p99 := l.P50, l.P99
+		if math.IsNaN(p50) {
+			p50, p99 = 0, 0
 		}
-		out = append(out, StageLatency{Stage: n, Count: d.count, P50: d.quantile(0.5), P99: d.quantile(0.99)})
+		out = append(out, StageLatency{Stage: l.Stage, Count: l.Items, P50: p50, P99: p99})
 	}
 	return out
-}
-
-func (b *hist) quantile(q float64) float64 {
-	if b.count == 0 {
-		return 0
-	}
-	target := q * b.count
-	lower, prev := 0.0, 0.0
-	for i, up := range b.upper {
-		if b.cum[i] >= target {
-			if b.cum[i] == prev {
-				return up
-			}
-			return lower + (up-lower)*(target-prev)/(b.cum[i]-prev)
-		}
-		lower, prev = up, b.cum[i]
-	}
-	return lower
 }
