@@ -25,6 +25,11 @@ type TCPConfig struct {
 	// QueueDepth bounds the requests queued per peer: a batch submitter
 	// waits while this many are queued, then queues all of its own.
 	QueueDepth int
+	// Pipeline is the number of READ requests a lane keeps outstanding:
+	// headers sent ahead while the responses of earlier ones are still
+	// arriving, served in order by the target. 1 sends one request per
+	// round trip. WRITEs always run one at a time.
+	Pipeline int
 	// ChunkSize is the largest single request and socket read/write: ops
 	// longer than this are split into several requests spread over lanes.
 	ChunkSize int
@@ -55,6 +60,14 @@ func DefaultTCPConfig() TCPConfig {
 		// two cores four lanes keep the socket busy while one lane is
 		// between requests.
 		Lanes: 4,
+		// A lane's next header is on the wire while the current response
+		// streams, so the server never idles for a round trip. 4 covers
+		// the small case (128 KiB ops at TP 4→2, one to eight blocks),
+		// where a request's wire time is below the per-request round
+		// trip; more only lets a lane take requests ahead of other lanes
+		// and of batches queued later (fairness costs up to Lanes×Pipeline
+		// requests), and the socket is already full.
+		Pipeline: 4,
 		// Mooncake's default per-peer queue bound
 		// (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER).
 		QueueDepth: 1024,
@@ -92,6 +105,9 @@ func (c TCPConfig) Validate() error {
 	if c.Lanes < 1 || c.Lanes > 64 {
 		bad("lanes %d not in 1..64", c.Lanes)
 	}
+	if c.Pipeline < 1 || c.Pipeline > 64 {
+		bad("pipeline %d not in 1..64", c.Pipeline)
+	}
 	if c.QueueDepth < 1 {
 		bad("queue depth %d < 1", c.QueueDepth)
 	}
@@ -121,6 +137,7 @@ func (c *TCPConfig) RegisterFlags(fs *flag.FlagSet, prefix string) {
 	fs.IntVar(&c.RPCPort, prefix+"rpc-port", c.RPCPort, "handshake (rpc) port, 0 = any free port")
 	fs.IntVar(&c.DataPort, prefix+"data-port", c.DataPort, "data port, 0 = any free port")
 	fs.IntVar(&c.Lanes, prefix+"lanes", c.Lanes, "persistent connections per peer")
+	fs.IntVar(&c.Pipeline, prefix+"pipeline", c.Pipeline, "READ requests outstanding per lane")
 	fs.IntVar(&c.QueueDepth, prefix+"queue-depth", c.QueueDepth, "requests queued per peer before a batch waits")
 	fs.IntVar(&c.ChunkSize, prefix+"chunk-size", c.ChunkSize, "largest request and socket I/O in bytes")
 	fs.IntVar(&c.MaxFrame, prefix+"max-frame", c.MaxFrame, "handshake frame length cap in bytes")

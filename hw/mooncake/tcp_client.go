@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 )
 
@@ -68,6 +69,7 @@ type task struct {
 	b                     *batch
 	op                    int
 	local, remote, length uint64
+	tries                 int // times sent again after another request broke its lane
 }
 
 func dirName(opcode uint8) string {
@@ -409,37 +411,237 @@ func (p *peer) markStale() {
 	p.mu.Unlock()
 }
 
+// errAborted: interrupt cut the lane's connection because a batch with a
+// request on it was cancelled.
+var errAborted = errors.New("lane aborted for a cancelled batch")
+
+// maxRetries bounds how often one request is sent again after its lane's
+// connection broke because of another request (a refusal, a peer close).
+const maxRetries = 2
+
 // lane is one persistent data connection to a peer, owned by one
-// goroutine that serves requests one at a time.
+// goroutine. READs are pipelined: the lane keeps up to Pipeline of them
+// outstanding (header sent, response not yet consumed) and consumes their
+// status frames and data in order, which the target serves one after
+// another. A WRITE waits until no READ is outstanding and then runs alone.
 type lane struct {
 	p  *peer
 	id int
 
-	mu      sync.Mutex // guards conn, closing and deadline updates
+	mu      sync.Mutex // guards the fields below and deadline updates
 	conn    net.Conn
 	v2      bool
 	closing bool
-	cur     atomic.Pointer[batch]
+	aborted bool    // interrupt cut conn for a cancelled batch
+	win     []*task // requests sent on conn and not yet finished, oldest first
+
+	// Owned by the lane's goroutine.
+	retry []*task // requests to send again, before new ones
+	hdrs  []byte  // headers of win's newest requests, not yet written
 }
 
 func (l *lane) run() {
 	e := l.p.e
 	defer e.wg.Done()
 	defer l.dropConn()
+	depth := e.cfg.Pipeline
+	var held *task // a WRITE waiting for the outstanding READs
 	for {
 		select {
 		case <-e.done:
 			return
 		default:
 		}
-		if t := l.p.q.take(); t != nil {
-			l.do(t)
+		for held == nil && len(l.win) < depth {
+			t := l.next()
+			if t == nil {
+				break
+			}
+			if t.b.opcode == OpcodeWrite {
+				held = t
+				break
+			}
+			l.send(t)
+		}
+		if err := l.flush(); err != nil {
+			l.broken(err)
+			continue
+		}
+		if len(l.win) > 0 {
+			l.receive()
+			continue
+		}
+		if held != nil {
+			l.write(held)
+			held = nil
 			continue
 		}
 		select {
 		case <-e.done:
 			return
 		case <-l.p.q.kick:
+		}
+	}
+}
+
+// next returns a request to retry, else the queue's next one, else nil.
+func (l *lane) next() *task {
+	if n := len(l.retry); n > 0 {
+		t := l.retry[0]
+		copy(l.retry, l.retry[1:])
+		l.retry[n-1] = nil
+		l.retry = l.retry[:n-1]
+		return t
+	}
+	return l.p.q.take()
+}
+
+// admit makes t outstanding on the lane's connection (dialing it if
+// needed), or finishes t when its batch is cancelled or failed or the
+// dial fails. It reports whether t is now in win.
+func (l *lane) admit(t *task) bool {
+	b := t.b
+	switch {
+	case b.cancelled.Load():
+		b.finish(t.op, context.Cause(b.ctx))
+		return false
+	case b.failed.Load():
+		b.finish(t.op, ErrNotAttempted)
+		return false
+	}
+	if l.conn == nil {
+		if err := l.dial(b); err != nil {
+			b.finish(t.op, err)
+			return false
+		}
+	}
+	// Checked again under mu: interrupt, which runs after cancelled is
+	// set, either sees t in win or t sees cancelled here.
+	l.mu.Lock()
+	if b.cancelled.Load() {
+		l.mu.Unlock()
+		b.finish(t.op, context.Cause(b.ctx))
+		return false
+	}
+	l.win = append(l.win, t)
+	l.mu.Unlock()
+	return true
+}
+
+// send admits READ t and queues its header for the next flush.
+func (l *lane) send(t *task) {
+	if !l.admit(t) {
+		return
+	}
+	var hb [HeaderSize]byte
+	PutHeader(&hb, Header{Size: t.length, Addr: t.remote, Opcode: OpcodeRead, V2: l.v2})
+	l.hdrs = append(l.hdrs, hb[:]...)
+}
+
+// flush writes the queued headers in one write.
+func (l *lane) flush() error {
+	if len(l.hdrs) == 0 {
+		return nil
+	}
+	err := l.arm()
+	if err == nil {
+		_, err = l.conn.Write(l.hdrs)
+	}
+	l.hdrs = l.hdrs[:0]
+	return err
+}
+
+// receive consumes the response of the oldest outstanding READ.
+func (l *lane) receive() {
+	t := l.win[0]
+	if err := l.recv(t); err != nil {
+		l.broken(err)
+		return
+	}
+	l.done(t)
+}
+
+// recv reads t's status (v2) and data straight into local memory, in
+// socket reads of at most ChunkSize, each with its own deadline.
+func (l *lane) recv(t *task) error {
+	c := l.conn
+	mem := bytesAt(t.local, t.length)
+	chunk := l.p.e.cfg.ChunkSize
+	if err := l.arm(); err != nil {
+		return err
+	}
+	if l.v2 {
+		if err := readStatus(c); err != nil {
+			return err
+		}
+	}
+	for off := 0; off < len(mem); off += chunk {
+		if off > 0 {
+			if err := l.arm(); err != nil {
+				return err
+			}
+		}
+		if _, err := io.ReadFull(c, mem[off:min(off+chunk, len(mem))]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// done ends the oldest outstanding request, which completed.
+func (l *lane) done(t *task) {
+	l.mu.Lock()
+	n := len(l.win)
+	copy(l.win, l.win[1:])
+	l.win[n-1] = nil
+	l.win = l.win[:n-1]
+	// An abort that came after the aborted batch's requests were all
+	// served leaves conn with a past deadline: start afresh.
+	stale := l.aborted && len(l.win) == 0
+	l.mu.Unlock()
+	if stale {
+		l.dropConn()
+	}
+	dir := dirName(t.b.opcode)
+	l.p.e.m.bytes.WithLabelValues(dir).Add(float64(t.length))
+	l.p.e.m.ops.WithLabelValues(dir).Inc()
+	t.b.finish(t.op, nil)
+}
+
+// broken ends the connection after err and settles every request that
+// was outstanding on it. The connection is closed first, so nothing reads
+// into their memory any more. The oldest request is the one the target
+// was serving: it fails with err. The others were never served and are
+// sent again on a fresh connection (at most maxRetries times each),
+// unless their batch is cancelled, the engine is closing, or the peer is
+// silent (a timeout would only repeat).
+func (l *lane) broken(err error) {
+	l.mu.Lock()
+	aborted := l.aborted
+	l.mu.Unlock()
+	l.dropConn()
+	l.mu.Lock()
+	win := l.win
+	l.win = nil
+	l.mu.Unlock()
+	l.hdrs = l.hdrs[:0]
+	closing := l.isClosing()
+	silent := errors.Is(err, os.ErrDeadlineExceeded) && !aborted
+	for i, t := range win {
+		b := t.b
+		switch {
+		case b.cancelled.Load():
+			b.finish(t.op, context.Cause(b.ctx))
+		case closing:
+			b.finish(t.op, ErrClosed)
+		case aborted || (i > 0 && !silent && t.tries < maxRetries):
+			// Aborts are counted by cancellations, not here.
+			if !aborted {
+				t.tries++
+			}
+			l.retry = append(l.retry, t)
+		default:
+			b.finish(t.op, l.explain(b, err))
 		}
 	}
 }
@@ -454,26 +656,35 @@ func (l *lane) shutdown() {
 	}
 }
 
-// interrupt aborts the lane's request if it belongs to b (cancelled).
+// interrupt aborts the lane's connection if a request of b (cancelled)
+// is outstanding on it; broken then sends the other batches' requests
+// again on a fresh connection.
 func (l *lane) interrupt(b *batch) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if l.cur.Load() == b && l.conn != nil {
-		l.conn.SetDeadline(time.Unix(1, 0))
+	if l.conn == nil {
+		return
+	}
+	for _, t := range l.win {
+		if t.b == b {
+			l.aborted = true
+			l.conn.SetDeadline(time.Unix(1, 0))
+			return
+		}
 	}
 }
 
-// arm sets the progress deadline for the next chunk, unless the request
-// was cancelled or the engine is closing. Serialised with interrupt and
-// shutdown by l.mu, so an abort cannot be overwritten.
-func (l *lane) arm(b *batch) error {
+// arm sets the progress deadline for the next chunk, unless the
+// connection was aborted or the engine is closing. Serialised with
+// interrupt and shutdown by l.mu, so an abort cannot be overwritten.
+func (l *lane) arm() error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	switch {
 	case l.closing:
 		return ErrClosed
-	case b.cancelled.Load():
-		return context.Cause(b.ctx)
+	case l.aborted:
+		return errAborted
 	}
 	return l.conn.SetDeadline(time.Now().Add(l.p.e.cfg.IOTimeout))
 }
@@ -481,7 +692,7 @@ func (l *lane) arm(b *batch) error {
 func (l *lane) dropConn() {
 	l.mu.Lock()
 	c := l.conn
-	l.conn = nil
+	l.conn, l.aborted = nil, false
 	l.mu.Unlock()
 	if c != nil {
 		c.Close()
@@ -516,35 +727,16 @@ func (l *lane) dial(b *batch) error {
 	return nil
 }
 
-func (l *lane) do(t *task) {
-	b := t.b
-	l.cur.Store(b)
-	defer l.cur.Store(nil)
-	switch {
-	case b.cancelled.Load():
-		b.finish(t.op, context.Cause(b.ctx))
-		return
-	case b.failed.Load():
-		b.finish(t.op, ErrNotAttempted)
+// write runs WRITE t alone on the connection (no READ outstanding).
+func (l *lane) write(t *task) {
+	if !l.admit(t) {
 		return
 	}
-	if l.conn == nil {
-		if err := l.dial(b); err != nil {
-			b.finish(t.op, err)
-			return
-		}
+	if err := l.writeOne(t); err != nil {
+		l.broken(err)
+		return
 	}
-	err := l.transfer(t)
-	if err != nil {
-		// The stream is in an unknown state: start afresh next time.
-		l.dropConn()
-		err = l.explain(b, err)
-	} else {
-		dir := dirName(b.opcode)
-		l.p.e.m.bytes.WithLabelValues(dir).Add(float64(t.length))
-		l.p.e.m.ops.WithLabelValues(dir).Inc()
-	}
-	b.finish(t.op, err)
+	l.done(t)
 }
 
 // explain turns an I/O error into the reason the caller cares about.
@@ -556,7 +748,9 @@ func (l *lane) explain(b *batch, err error) error {
 		return ErrClosed
 	case errors.Is(err, os.ErrDeadlineExceeded):
 		return fmt.Errorf("%s: no progress for %v: %w", l.p.session, l.p.e.cfg.IOTimeout, err)
-	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF),
+		// A peer that closes with pipelined headers unread resets.
+		errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE):
 		if !l.v2 {
 			return fmt.Errorf("%s: %w (a legacy peer closes instead of rejecting)", l.p.session, ErrPeerClosed)
 		}
@@ -571,43 +765,22 @@ func (l *lane) isClosing() bool {
 	return l.closing
 }
 
-// transfer runs one request. Reads land straight in the local memory;
-// writes go out of it; socket I/O is never larger than ChunkSize.
-func (l *lane) transfer(t *task) error {
-	b, c := t.b, l.conn
+// writeOne sends one WRITE: header and data out of local memory in socket
+// writes of at most ChunkSize, then (v2) waits for the target's status.
+func (l *lane) writeOne(t *task) error {
+	c := l.conn
 	mem := bytesAt(t.local, t.length)
 	chunk := l.p.e.cfg.ChunkSize
 	var hb [HeaderSize]byte
-	PutHeader(&hb, Header{Size: t.length, Addr: t.remote, Opcode: b.opcode, V2: l.v2})
-	if err := l.arm(b); err != nil {
+	PutHeader(&hb, Header{Size: t.length, Addr: t.remote, Opcode: OpcodeWrite, V2: l.v2})
+	if err := l.arm(); err != nil {
 		return err
-	}
-	if b.opcode == OpcodeRead {
-		if _, err := c.Write(hb[:]); err != nil {
-			return err
-		}
-		if l.v2 {
-			if err := readStatus(c); err != nil {
-				return err
-			}
-		}
-		for off := 0; off < len(mem); off += chunk {
-			if off > 0 {
-				if err := l.arm(b); err != nil {
-					return err
-				}
-			}
-			if _, err := io.ReadFull(c, mem[off:min(off+chunk, len(mem))]); err != nil {
-				return err
-			}
-		}
-		return nil
 	}
 	first := min(len(mem), chunk)
 	bufs := net.Buffers{hb[:], mem[:first]}
 	_, err := bufs.WriteTo(c)
 	for off := first; err == nil && off < len(mem); off += chunk {
-		if err = l.arm(b); err == nil {
+		if err = l.arm(); err == nil {
 			_, err = c.Write(mem[off:min(off+chunk, len(mem))])
 		}
 	}
@@ -622,7 +795,7 @@ func (l *lane) transfer(t *task) error {
 		}
 		return err
 	}
-	if err := l.arm(b); err != nil {
+	if err := l.arm(); err != nil {
 		return err
 	}
 	return readStatus(c)

@@ -9,7 +9,9 @@ import (
 
 // serveData serves requests on one persistent data connection until the
 // peer closes it, a request is refused, or the engine closes. Like
-// Mooncake's ServerSession it serves requests one after another and ends
+// Mooncake's ServerSession it serves requests one after another (the next
+// header is read only once a response is complete, so an initiator may
+// pipeline requests: queued headers wait in the socket) and ends
 // the connection after a refusal (a v2 peer first gets the reject status).
 func (e *TCPEngine) serveData(c net.Conn) {
 	e.m.conns.WithLabelValues(roleTarget).Inc()
@@ -119,14 +121,17 @@ func (e *TCPEngine) reject(c net.Conn, h Header, reason, peer string, err error)
 		c.SetDeadline(time.Now().Add(e.cfg.IOTimeout))
 		c.Write(st[:])
 	}
-	if h.Opcode == OpcodeWrite && h.Size > 0 {
-		// The peer may still be streaming the payload: half-close and
-		// drain briefly so the close does not reset the connection before
-		// the peer has read the status.
-		if tc, ok := c.(*net.TCPConn); ok {
-			tc.CloseWrite()
-		}
-		c.SetDeadline(time.Now().Add(200 * time.Millisecond))
-		io.CopyN(io.Discard, c, int64(min(h.Size, 64<<20)))
+	// The peer may still be streaming a write's payload, or have
+	// pipelined further read headers: half-close and drain briefly so the
+	// close does not reset the connection before the peer has read the
+	// status. Requests behind the refused one are never served.
+	drain := int64(64 << 10) // pipelined headers
+	if h.Opcode == OpcodeWrite {
+		drain = int64(min(h.Size, 64<<20))
 	}
+	if tc, ok := c.(*net.TCPConn); ok {
+		tc.CloseWrite()
+	}
+	c.SetDeadline(time.Now().Add(200 * time.Millisecond))
+	io.CopyN(io.Discard, c, drain)
 }

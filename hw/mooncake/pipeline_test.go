@@ -1,0 +1,128 @@
+package mooncake
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+)
+
+// pipelineConfig: one lane with a deep window, so requests of concurrent
+// batches are outstanding on the same connection together.
+func pipelineConfig() TCPConfig {
+	c := testConfig()
+	c.Lanes, c.Pipeline = 1, 8
+	return c
+}
+
+// TestPipelinedReject runs a good batch and a batch with one refused op
+// concurrently on one pipelined lane, against v1 and v2 targets. The
+// target closes the connection after the refusal with other requests
+// outstanding behind it: the good batch must still complete with the
+// right bytes (its requests are sent again), the bad one must fail on the
+// refused op, never report it done, and nothing hangs or leaks.
+func TestPipelinedReject(t *testing.T) {
+	for _, proto := range []int{1, 2} {
+		t.Run("v"+string(rune('0'+proto)), func(t *testing.T) {
+			base := runtime.NumGoroutine()
+			func() {
+				scfg := testConfig()
+				scfg.ProtoVersion = proto
+				srv, _ := newEngine(t, scfg)
+				cli, _ := newEngine(t, pipelineConfig())
+				defer srv.Close()
+				defer cli.Close()
+				const n, size = 64, 32 << 10
+				rem := register(t, srv, n*size, 1)
+				unreg := mmap(t, size)
+				loc := register(t, cli, 2*n*size, 2)
+				for iter := range 10 {
+					clear(loc)
+					var good, bad []Op
+					for i := range n {
+						good = append(good, Op{Local: AddrOf(loc[i*size:]), Remote: AddrOf(rem[i*size:]), Length: size})
+					}
+					for i := range 8 {
+						r := AddrOf(rem[i*size:])
+						if i == 3 {
+							r = AddrOf(unreg)
+						}
+						bad = append(bad, Op{Local: AddrOf(loc[(n+i)*size:]), Remote: r, Length: size})
+					}
+					var wg sync.WaitGroup
+					var gerr, berr error
+					wg.Go(func() { gerr = cli.BatchRead(context.Background(), srv.SessionID(), good) })
+					wg.Go(func() { berr = cli.BatchRead(context.Background(), srv.SessionID(), bad) })
+					wg.Wait()
+					if gerr != nil {
+						t.Fatalf("iter %d: good batch: %v", iter, gerr)
+					}
+					if !bytes.Equal(loc[:n*size], rem) {
+						t.Fatalf("iter %d: good batch: data mismatch", iter)
+					}
+					var be *BatchError
+					if !errors.As(berr, &be) {
+						t.Fatalf("iter %d: bad batch: got %v, want a BatchError", iter, berr)
+					}
+					if be.Errs[3] == nil || errors.Is(be.Errs[3], ErrNotAttempted) {
+						t.Fatalf("iter %d: refused op: %v", iter, be.Errs[3])
+					}
+					want := ErrRejected
+					if proto == 1 {
+						want = ErrPeerClosed
+					}
+					if !errors.Is(be.Errs[3], want) {
+						t.Fatalf("iter %d: refused op: %v, want %v", iter, be.Errs[3], want)
+					}
+				}
+			}()
+			checkGoroutines(t, base)
+		})
+	}
+}
+
+// TestPipelinedCancel cancels a batch whose requests share a pipelined
+// lane with another batch's: the cancelled one reports its context error,
+// the other completes with the right bytes (its aborted requests are sent
+// again), and no goroutine is left behind.
+func TestPipelinedCancel(t *testing.T) {
+	base := runtime.NumGoroutine()
+	func() {
+		srv, _ := newEngine(t, testConfig())
+		cli, _ := newEngine(t, pipelineConfig())
+		defer srv.Close()
+		defer cli.Close()
+		const n, size = 64, 128 << 10
+		rem := register(t, srv, n*size, 1)
+		loc := register(t, cli, 2*n*size, 2)
+		for iter := range 10 {
+			clear(loc)
+			var a, b []Op
+			for i := range n {
+				a = append(a, Op{Local: AddrOf(loc[i*size:]), Remote: AddrOf(rem[i*size:]), Length: size})
+				b = append(b, Op{Local: AddrOf(loc[(n+i)*size:]), Remote: AddrOf(rem[i*size:]), Length: size})
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			var wg sync.WaitGroup
+			var aerr, berr error
+			wg.Go(func() { aerr = cli.BatchRead(context.Background(), srv.SessionID(), a) })
+			wg.Go(func() { berr = cli.BatchRead(ctx, srv.SessionID(), b) })
+			time.Sleep(time.Duration(iter) * 200 * time.Microsecond)
+			cancel()
+			wg.Wait()
+			if aerr != nil {
+				t.Fatalf("iter %d: batch sharing the lane: %v", iter, aerr)
+			}
+			if !bytes.Equal(loc[:n*size], rem) {
+				t.Fatalf("iter %d: data mismatch", iter)
+			}
+			if berr != nil && !errors.Is(berr, context.Canceled) {
+				t.Fatalf("iter %d: cancelled batch: %v, want nil or context.Canceled", iter, berr)
+			}
+		}
+	}()
+	checkGoroutines(t, base)
+}
