@@ -91,21 +91,7 @@ func TestPrefillGone(t *testing.T) {
 func TestMetadataSilent(t *testing.T) {
 	tp := topo{prefillTP: 1, decodeTP: 1, model: gqa(2)}
 	c := startCluster(t, tp)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	go func() {
-		for {
-			conn, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			defer conn.Close() // hold it open, say nothing
-		}
-	}()
-	port := ln.Addr().(*net.TCPAddr).Port
+	port := silentPeer(t)
 	start := time.Now()
 	if err := load(t, c.decode[0], "silent", []int{1}, []int{1}, port, "P"); err != nil {
 		t.Fatal(err)
@@ -141,18 +127,7 @@ func TestBadInputAndAbort(t *testing.T) {
 		t.Fatal("out-of-range block pulled")
 	}
 	// A request held at a peer that never answers, aborted while waiting.
-	ln, _ := net.Listen("tcp", "127.0.0.1:0")
-	defer ln.Close()
-	go func() {
-		for {
-			conn, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			defer conn.Close()
-		}
-	}()
-	port := ln.Addr().(*net.TCPAddr).Port
+	port := silentPeer(t)
 	if err := load(t, d, "stuck", []int{1}, []int{1}, port, "P"); err != nil {
 		t.Fatal(err)
 	}
@@ -341,4 +316,31 @@ func TestCurveAuth(t *testing.T) {
 	if got["b"] == nil || !strings.Contains(got["b"].Error(), "handshake") {
 		t.Errorf("decode without keys: %v", got["b"])
 	}
+}
+
+// silentPeer listens on loopback, accepts connections and never answers:
+// a side channel that hangs. It returns the port.
+func silentPeer(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		var conns []net.Conn
+		defer func() {
+			for _, c := range conns {
+				c.Close()
+			}
+		}()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			conns = append(conns, c) // held open, never answered
+		}
+	}()
+	return ln.Addr().(*net.TCPAddr).Port
 }
