@@ -11,7 +11,14 @@ import (
 	"testing"
 )
 
-const seedref = "../../testdata/seedref/"
+// seedref is the vector directory: $KVFLOW_SEEDREF_DIR (absolute) when set,
+// e.g. a set made by scripts/seedref/gen.py with another salt, else the repo copy.
+var seedref = func() string {
+	if d := os.Getenv("KVFLOW_SEEDREF_DIR"); d != "" {
+		return d + string(os.PathSeparator)
+	}
+	return "../../testdata/seedref/"
+}()
 
 func load[T any](t testing.TB, family string) T {
 	t.Helper()

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"path/filepath"
 	"reflect"
 	"slices"
 	"sort"
@@ -39,7 +40,14 @@ import (
 //	          model keeps every record (as the seed keeps
 //	          record_finished_requests).
 
-const vectorsPath = "../../../testdata/seedref/task_tracker.json"
+// vectorsPath is under $KVFLOW_SEEDREF_DIR (absolute) when set, e.g. a set made
+// by scripts/seedref/gen.py with another salt, else the repo copy.
+var vectorsPath = func() string {
+	if d := os.Getenv("KVFLOW_SEEDREF_DIR"); d != "" {
+		return filepath.Join(d, "task_tracker.json")
+	}
+	return "../../../testdata/seedref/task_tracker.json"
+}()
 
 type vecState struct {
 	Finished []string          `json:"finished_requests"`

@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"testing"
 )
@@ -28,7 +29,11 @@ type sampleFile struct {
 
 func loadSamples(t testing.TB) sampleFile {
 	t.Helper()
-	b, err := os.ReadFile("../../../testdata/seedref/py_random_sample.json")
+	path := "../../../testdata/seedref/py_random_sample.json"
+	if d := os.Getenv("KVFLOW_SEEDREF_DIR"); d != "" { // e.g. a set made by scripts/seedref/gen.py
+		path = filepath.Join(d, "py_random_sample.json")
+	}
+	b, err := os.ReadFile(path)
 	if err != nil {
 		t.Fatal(err)
 	}
