@@ -76,7 +76,7 @@ func (p *rawPair) batch(tb testing.TB, dst []byte, count, size int) {
 //
 //	go test -run '^$' -bench BatchRead -benchtime 40x ./hw/mooncake/
 func BenchmarkBatchRead(b *testing.B) {
-	for _, size := range []int{256 << 10, 1 << 20} {
+	for _, size := range []int{16 << 10, 256 << 10, 1 << 20} {
 		b.Run(sizeName(size), func(b *testing.B) {
 			const count = 128
 			srv, _ := newEngine(b, DefaultTCPConfig())

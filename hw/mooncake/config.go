@@ -30,6 +30,11 @@ type TCPConfig struct {
 	// arriving, served in order by the target. 1 sends one request per
 	// round trip. WRITEs always run one at a time.
 	Pipeline int
+	// PipelineBytes caps the bytes of a lane's outstanding READs beyond
+	// the first two: small requests get a deep window (many in flight per
+	// round trip), large ones keep two, so a short batch queued behind
+	// large ones waits for little data. 0 means no cap.
+	PipelineBytes int
 	// ChunkSize is the largest single request and socket read/write: ops
 	// longer than this are split into several requests spread over lanes.
 	ChunkSize int
@@ -61,13 +66,15 @@ func DefaultTCPConfig() TCPConfig {
 		// between requests.
 		Lanes: 4,
 		// A lane's next header is on the wire while the current response
-		// streams, so the server never idles for a round trip. 4 covers
-		// the small case (128 KiB ops at TP 4→2, one to eight blocks),
-		// where a request's wire time is below the per-request round
-		// trip; more only lets a lane take requests ahead of other lanes
-		// and of batches queued later (fairness costs up to Lanes×Pipeline
-		// requests), and the socket is already full.
-		Pipeline: 4,
+		// streams, so the server never idles for a round trip. Small
+		// requests (4–32 KiB per layer in the small case) need many in
+		// flight to fill a round trip and let the target gather their
+		// answers into one write; large ones need two. The byte cap keeps
+		// the window of 256 KiB requests at about today's four, so a short
+		// batch behind long ones (fairness costs up to Lanes × window)
+		// waits for ~4 MiB of others' data at most.
+		Pipeline:      16,
+		PipelineBytes: 1 << 20,
 		// Mooncake's default per-peer queue bound
 		// (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER).
 		QueueDepth: 1024,
@@ -108,6 +115,9 @@ func (c TCPConfig) Validate() error {
 	if c.Pipeline < 1 || c.Pipeline > 64 {
 		bad("pipeline %d not in 1..64", c.Pipeline)
 	}
+	if c.PipelineBytes < 0 {
+		bad("pipeline bytes %d < 0", c.PipelineBytes)
+	}
 	if c.QueueDepth < 1 {
 		bad("queue depth %d < 1", c.QueueDepth)
 	}
@@ -138,6 +148,7 @@ func (c *TCPConfig) RegisterFlags(fs *flag.FlagSet, prefix string) {
 	fs.IntVar(&c.DataPort, prefix+"data-port", c.DataPort, "data port, 0 = any free port")
 	fs.IntVar(&c.Lanes, prefix+"lanes", c.Lanes, "persistent connections per peer")
 	fs.IntVar(&c.Pipeline, prefix+"pipeline", c.Pipeline, "READ requests outstanding per lane")
+	fs.IntVar(&c.PipelineBytes, prefix+"pipeline-bytes", c.PipelineBytes, "cap on outstanding READ bytes per lane beyond two requests, 0 = none")
 	fs.IntVar(&c.QueueDepth, prefix+"queue-depth", c.QueueDepth, "requests queued per peer before a batch waits")
 	fs.IntVar(&c.ChunkSize, prefix+"chunk-size", c.ChunkSize, "largest request and socket I/O in bytes")
 	fs.IntVar(&c.MaxFrame, prefix+"max-frame", c.MaxFrame, "handshake frame length cap in bytes")

@@ -71,14 +71,20 @@
 // keeps requests per batch and lanes serve the batches round-robin, one
 // request each in turn, so a small batch is not stuck behind every request
 // of a large one queued before it. READs are pipelined: a lane keeps up to
-// Pipeline (4) requests outstanding, sending the next headers while
-// earlier responses stream, and consumes the responses in order (the
-// target serves a connection's requests one after another, Mooncake's
-// too). When the connection breaks on one request (a refusal, a peer
+// Pipeline (16) requests outstanding, or fewer once they add up to
+// PipelineBytes (1 MiB) beyond the first two, sending the next headers
+// while earlier responses stream, and consumes the responses in order
+// (the target serves a connection's requests one after another,
+// Mooncake's too). kvflow's target reads headers through a buffer and,
+// while more pipelined READ headers are already buffered, gathers the
+// answers of small READs (≤ 256 KiB each, ≤ 1 MiB or 64 together) into
+// one writev; the lane reads answers through a 64 KiB buffer, so small
+// ones cost a fraction of a syscall each and large ones are still read
+// straight into place. When the connection breaks on one request (a refusal, a peer
 // close, a cancelled batch's abort), the requests behind it were never
 // served and are sent again on a fresh connection, a bounded number of
 // times; a silent peer fails them all. WRITEs run one at a time, once no
-// READ is outstanding on the lane. Reads land
+// READ is outstanding on the lane. Reads of more than 64 KiB land
 // straight in the destination memory and writes leave straight from the
 // source (no staging copies), in socket I/O of up to ChunkSize (4 MiB).
 // Completion is a channel close: nothing spins or polls. Every goroutine

@@ -28,6 +28,20 @@ type metrics struct {
 	batch    *prometheus.HistogramVec
 	conns    *prometheus.GaugeVec
 	rejected *prometheus.CounterVec
+
+	// The per-direction series, resolved once (the hot paths add per op).
+	readBytes, readOps             prometheus.Counter
+	writeBytes, writeOps           prometheus.Counter
+	serveReadBytes, serveReadOps   prometheus.Counter
+	serveWriteBytes, serveWriteOps prometheus.Counter
+}
+
+// dir returns the bytes and ops counters of an initiated direction.
+func (m *metrics) dir(opcode uint8) (bytes, ops prometheus.Counter) {
+	if opcode == OpcodeWrite {
+		return m.writeBytes, m.writeOps
+	}
+	return m.readBytes, m.readOps
 }
 
 // registerCollector registers c on reg, or returns the collector already there:
@@ -85,6 +99,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		m.bytes.WithLabelValues(d)
 		m.ops.WithLabelValues(d)
 	}
+	m.readBytes, m.readOps = m.bytes.WithLabelValues(dirRead), m.ops.WithLabelValues(dirRead)
+	m.writeBytes, m.writeOps = m.bytes.WithLabelValues(dirWrite), m.ops.WithLabelValues(dirWrite)
+	m.serveReadBytes, m.serveReadOps = m.bytes.WithLabelValues(dirServeRead), m.ops.WithLabelValues(dirServeRead)
+	m.serveWriteBytes, m.serveWriteOps = m.bytes.WithLabelValues(dirServeWrite), m.ops.WithLabelValues(dirServeWrite)
 	for _, d := range []string{dirRead, dirWrite} {
 		for _, o := range []string{"ok", "error"} {
 			m.batch.WithLabelValues(d, o)

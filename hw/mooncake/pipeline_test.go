@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
 	"runtime"
 	"sync"
 	"testing"
@@ -125,4 +126,62 @@ func TestPipelinedCancel(t *testing.T) {
 		}
 	}()
 	checkGoroutines(t, base)
+}
+
+// TestServerCoalesced sends, in one socket write, small READ headers, a
+// WRITE with its payload, more READs, a large READ and a refused READ, to
+// a v2 target: the answers come back in order with the right bytes (the
+// small ones gathered into shared writes), the WRITE lands, and the
+// refusal comes after every answer before it.
+func TestServerCoalesced(t *testing.T) {
+	srv, _ := newEngine(t, testConfig())
+	defer srv.Close()
+	rem := register(t, srv, 4<<20, 9)
+	var req, want []byte
+	hdr := func(op uint8, addr, size uint64) {
+		var hb [HeaderSize]byte
+		PutHeader(&hb, Header{Size: size, Addr: addr, Opcode: op, V2: true})
+		req = append(req, hb[:]...)
+	}
+	var ok, rej [StatusSize]byte
+	PutStatus(&ok, StatusOK)
+	PutStatus(&rej, StatusRejected)
+	read := func(off, size int) {
+		hdr(OpcodeRead, AddrOf(rem[off:]), uint64(size))
+		want = append(append(want, ok[:]...), rem[off:off+size]...)
+	}
+	for i := range 70 { // more than one gathered write
+		read(i*4096, 100+i*37)
+	}
+	payload := bytes.Repeat([]byte{0x5a}, 8192)
+	hdr(OpcodeWrite, AddrOf(rem[3<<20:]), uint64(len(payload)))
+	req = append(req, payload...)
+	want = append(want, ok[:]...)
+	hdr(OpcodeRead, AddrOf(rem[3<<20:]), 8192) // reads the WRITE's bytes back
+	want = append(append(want, ok[:]...), payload...)
+	read(1<<20, 1<<20)
+	read(5, 3)
+	hdr(OpcodeRead, AddrOf(rem)+8<<20, 4096) // outside the region
+	want = append(want, rej[:]...)
+	read(0, 64) // behind the refusal: never served
+
+	c := dial(t, srv.DataPort())
+	defer c.Close()
+	if _, err := c.Write(req); err != nil {
+		t.Fatal(err)
+	}
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	got, _ := io.ReadAll(c)
+	if !bytes.Equal(got, want[:len(want)-StatusSize-64]) {
+		t.Fatalf("got %d bytes, want %d; first difference at %d", len(got), len(want)-StatusSize-64, firstDiff(got, want))
+	}
+}
+
+func firstDiff(a, b []byte) int {
+	for i := range min(len(a), len(b)) {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	return min(len(a), len(b))
 }

@@ -1,6 +1,7 @@
 package mooncake
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -436,15 +437,23 @@ type lane struct {
 	win     []*task // requests sent on conn and not yet finished, oldest first
 
 	// Owned by the lane's goroutine.
-	retry []*task // requests to send again, before new ones
-	hdrs  []byte  // headers of win's newest requests, not yet written
+	retry  []*task       // requests to send again, before new ones
+	hdrs   []byte        // headers of win's newest requests, not yet written
+	wbytes uint64        // bytes of the READs in win
+	br     *bufio.Reader // conn's responses; small ones arrive several per read
 }
+
+// laneBuf is the size of a lane's response buffer: responses smaller than
+// it are copied out of it (several per socket read when pipelined), larger
+// ones are read straight into local memory once it is drained.
+const laneBuf = 64 << 10
 
 func (l *lane) run() {
 	e := l.p.e
 	defer e.wg.Done()
 	defer l.dropConn()
 	depth := e.cfg.Pipeline
+	capBytes := uint64(e.cfg.PipelineBytes)
 	var held *task // a WRITE waiting for the outstanding READs
 	for {
 		select {
@@ -452,7 +461,7 @@ func (l *lane) run() {
 			return
 		default:
 		}
-		for held == nil && len(l.win) < depth {
+		for held == nil && len(l.win) < depth && (len(l.win) < 2 || capBytes == 0 || l.wbytes < capBytes) {
 			t := l.next()
 			if t == nil {
 				break
@@ -536,6 +545,7 @@ func (l *lane) send(t *task) {
 	var hb [HeaderSize]byte
 	PutHeader(&hb, Header{Size: t.length, Addr: t.remote, Opcode: OpcodeRead, V2: l.v2})
 	l.hdrs = append(l.hdrs, hb[:]...)
+	l.wbytes += t.length
 }
 
 // flush writes the queued headers in one write.
@@ -564,14 +574,13 @@ func (l *lane) receive() {
 // recv reads t's status (v2) and data straight into local memory, in
 // socket reads of at most ChunkSize, each with its own deadline.
 func (l *lane) recv(t *task) error {
-	c := l.conn
 	mem := bytesAt(t.local, t.length)
 	chunk := l.p.e.cfg.ChunkSize
 	if err := l.arm(); err != nil {
 		return err
 	}
 	if l.v2 {
-		if err := readStatus(c); err != nil {
+		if err := readStatus(l.br); err != nil {
 			return err
 		}
 	}
@@ -581,7 +590,7 @@ func (l *lane) recv(t *task) error {
 				return err
 			}
 		}
-		if _, err := io.ReadFull(c, mem[off:min(off+chunk, len(mem))]); err != nil {
+		if _, err := io.ReadFull(l.br, mem[off:min(off+chunk, len(mem))]); err != nil {
 			return err
 		}
 	}
@@ -595,6 +604,9 @@ func (l *lane) done(t *task) {
 	copy(l.win, l.win[1:])
 	l.win[n-1] = nil
 	l.win = l.win[:n-1]
+	if t.b.opcode == OpcodeRead {
+		l.wbytes -= t.length
+	}
 	// An abort that came after the aborted batch's requests were all
 	// served leaves conn with a past deadline: start afresh.
 	stale := l.aborted && len(l.win) == 0
@@ -602,9 +614,9 @@ func (l *lane) done(t *task) {
 	if stale {
 		l.dropConn()
 	}
-	dir := dirName(t.b.opcode)
-	l.p.e.m.bytes.WithLabelValues(dir).Add(float64(t.length))
-	l.p.e.m.ops.WithLabelValues(dir).Inc()
+	bytes, ops := l.p.e.m.dir(t.b.opcode)
+	bytes.Add(float64(t.length))
+	ops.Inc()
 	t.b.finish(t.op, nil)
 }
 
@@ -624,7 +636,7 @@ func (l *lane) broken(err error) {
 	win := l.win
 	l.win = nil
 	l.mu.Unlock()
-	l.hdrs = l.hdrs[:0]
+	l.hdrs, l.wbytes = l.hdrs[:0], 0
 	closing := l.isClosing()
 	silent := errors.Is(err, os.ErrDeadlineExceeded) && !aborted
 	for i, t := range win {
@@ -723,6 +735,11 @@ func (l *lane) dial(b *batch) error {
 	}
 	l.conn, l.v2 = c, v2
 	l.mu.Unlock()
+	if l.br == nil {
+		l.br = bufio.NewReaderSize(c, laneBuf)
+	} else {
+		l.br.Reset(c)
+	}
 	e.m.conns.WithLabelValues(roleInitiator).Inc()
 	return nil
 }
@@ -790,7 +807,7 @@ func (l *lane) writeOne(t *task) error {
 	if err != nil {
 		// A refused write: the status may be waiting before the close.
 		c.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
-		if serr := readStatus(c); errors.Is(serr, ErrRejected) {
+		if serr := readStatus(l.br); errors.Is(serr, ErrRejected) {
 			return serr
 		}
 		return err
@@ -798,10 +815,10 @@ func (l *lane) writeOne(t *task) error {
 	if err := l.arm(); err != nil {
 		return err
 	}
-	return readStatus(c)
+	return readStatus(l.br)
 }
 
-func readStatus(c net.Conn) error {
+func readStatus(c io.Reader) error {
 	var st [StatusSize]byte
 	if _, err := io.ReadFull(c, st[:]); err != nil {
 		return err

@@ -1,18 +1,76 @@
 package mooncake
 
 import (
+	"bufio"
 	"errors"
 	"io"
 	"net"
 	"time"
 )
 
+// Coalescing of small READ responses on a data connection: while further
+// pipelined headers are already buffered, the responses of READs of at
+// most coalesceOp bytes are gathered (their regions stay pinned) and
+// written in one writev, up to coalesceBytes or coalesceOps of them.
+const (
+	coalesceOp    = 256 << 10
+	coalesceBytes = 1 << 20
+	coalesceOps   = 64
+	serverBuf     = 64 << 10
+)
+
+// pending is the gathered responses not yet written.
+type pending struct {
+	bufs  net.Buffers
+	pins  []*region
+	st    [coalesceOps][StatusSize]byte
+	bytes int
+}
+
+func (p *pending) add(r *region, mem []byte, v2 bool) {
+	if v2 {
+		st := &p.st[len(p.pins)]
+		PutStatus(st, StatusOK)
+		p.bufs = append(p.bufs, st[:])
+	}
+	p.bufs = append(p.bufs, mem)
+	p.pins = append(p.pins, r)
+	p.bytes += len(mem)
+}
+
+func (p *pending) full() bool {
+	return len(p.pins) >= coalesceOps || p.bytes >= coalesceBytes
+}
+
+// flush writes the gathered responses and unpins their regions.
+func (e *TCPEngine) flushPending(c net.Conn, p *pending) error {
+	if len(p.pins) == 0 {
+		return nil
+	}
+	c.SetDeadline(time.Now().Add(e.cfg.IOTimeout))
+	bufs := p.bufs // WriteTo consumes its receiver
+	_, err := bufs.WriteTo(c)
+	for i, r := range p.pins {
+		r.unpin()
+		p.pins[i] = nil
+	}
+	if err == nil {
+		e.m.serveReadBytes.Add(float64(p.bytes))
+		e.m.serveReadOps.Add(float64(len(p.pins)))
+	}
+	clear(p.bufs)
+	p.bufs, p.pins, p.bytes = p.bufs[:0], p.pins[:0], 0
+	return err
+}
+
 // serveData serves requests on one persistent data connection until the
 // peer closes it, a request is refused, or the engine closes. Like
-// Mooncake's ServerSession it serves requests one after another (the next
-// header is read only once a response is complete, so an initiator may
-// pipeline requests: queued headers wait in the socket) and ends
-// the connection after a refusal (a v2 peer first gets the reject status).
+// Mooncake's ServerSession it serves requests in order, one response
+// after another, so an initiator may pipeline requests. Headers are read
+// through a buffer: when several pipelined READ headers arrived together,
+// their small responses go out in one writev. A refusal ends the
+// connection once the responses before it are written (a v2 peer first
+// gets the reject status).
 func (e *TCPEngine) serveData(c net.Conn) {
 	e.m.conns.WithLabelValues(roleTarget).Inc()
 	defer e.m.conns.WithLabelValues(roleTarget).Dec()
@@ -20,42 +78,86 @@ func (e *TCPEngine) serveData(c net.Conn) {
 		tc.SetNoDelay(true)
 	}
 	peer := c.RemoteAddr().String()
+	br := bufio.NewReaderSize(c, serverBuf)
+	p := &pending{}
+	defer func() {
+		for _, r := range p.pins {
+			r.unpin()
+		}
+	}()
 	var hb [HeaderSize]byte
 	for {
-		// Idle between requests: no deadline (connections are persistent);
-		// once a header starts, the rest of it must arrive in time.
-		c.SetDeadline(time.Time{})
-		n, err := c.Read(hb[:])
-		if err == nil && n < HeaderSize {
-			c.SetDeadline(time.Now().Add(e.cfg.IOTimeout))
-			_, err = io.ReadFull(c, hb[n:])
-		}
-		if err != nil {
-			if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
-				e.log.Warn("data: header read failed", "peer", peer, "bytes", n, "err", err)
+		if br.Buffered() < HeaderSize {
+			// About to wait for the peer: what is gathered goes out first.
+			if err := e.flushPending(c, p); err != nil {
+				e.log.Warn("data: transfer failed", "peer", peer, "err", err)
+				return
 			}
+		}
+		n := 0
+		if br.Buffered() == 0 {
+			// Idle between requests: no deadline (connections are
+			// persistent); once a header starts, the rest of it must
+			// arrive in time.
+			c.SetDeadline(time.Time{})
+			if _, err := br.Peek(1); err != nil {
+				if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
+					e.log.Warn("data: header read failed", "peer", peer, "bytes", 0, "err", err)
+				}
+				return
+			}
+		}
+		if br.Buffered() < HeaderSize {
+			n = br.Buffered()
+			c.SetDeadline(time.Now().Add(e.cfg.IOTimeout))
+		}
+		if _, err := io.ReadFull(br, hb[:]); err != nil {
+			e.log.Warn("data: header read failed", "peer", peer, "bytes", n, "err", err)
 			return
 		}
 		h, err := ParseHeader(&hb)
-		if err != nil {
-			e.reject(c, h, reasonBadOpcode, peer, err)
-			return
+		if err == nil && h.Size == 0 {
+			err = ErrZeroLength
 		}
-		if h.Size == 0 {
-			e.reject(c, h, reasonZeroLength, peer, ErrZeroLength)
-			return
+		var r *region
+		reason := reasonBadOpcode
+		if errors.Is(err, ErrZeroLength) {
+			reason = reasonZeroLength
 		}
-		r, err := e.regions.pin(h.Addr, h.Size)
-		if err != nil {
-			e.reject(c, h, reasonUnregistered, peer, err)
-			return
+		if err == nil {
+			r, err = e.regions.pin(h.Addr, h.Size)
+			reason = reasonUnregistered
 		}
-		if e.cfg.ReadGrants && !e.grants.covers(h.Addr, h.Size) {
+		if err == nil && e.cfg.ReadGrants && !e.grants.covers(h.Addr, h.Size) {
 			r.unpin()
-			e.reject(c, h, reasonNotGranted, peer, nil)
+			err, reason = errNotGranted, reasonNotGranted
+		}
+		if err != nil {
+			if ferr := e.flushPending(c, p); ferr != nil {
+				return
+			}
+			if errors.Is(err, errNotGranted) {
+				err = nil
+			}
+			e.reject(c, br, h, reason, peer, err)
 			return
 		}
-		err = e.serveOne(c, h)
+		if h.Opcode == OpcodeRead && h.Size <= coalesceOp {
+			p.add(r, bytesAt(h.Addr, h.Size), h.V2)
+			if p.full() {
+				if err := e.flushPending(c, p); err != nil {
+					e.log.Warn("data: transfer failed", "peer", peer, "err", err)
+					return
+				}
+			}
+			continue
+		}
+		if err := e.flushPending(c, p); err != nil {
+			r.unpin()
+			e.log.Warn("data: transfer failed", "peer", peer, "err", err)
+			return
+		}
+		err = e.serveOne(c, br, h)
 		r.unpin()
 		if err != nil {
 			e.log.Warn("data: transfer failed", "peer", peer, "opcode", h.Opcode, "addr", h.Addr, "size", h.Size, "err", err)
@@ -64,10 +166,14 @@ func (e *TCPEngine) serveData(c net.Conn) {
 	}
 }
 
+// errNotGranted marks a refusal for want of a read grant (no error to log).
+var errNotGranted = errors.New("not granted")
+
 // serveOne moves one validated request's payload straight between the
-// socket and registered memory, in chunks of at most ChunkSize, each with
-// its own deadline.
-func (e *TCPEngine) serveOne(c net.Conn, h Header) error {
+// socket (a WRITE's payload first from what br already buffered) and
+// registered memory, in chunks of at most ChunkSize, each with its own
+// deadline.
+func (e *TCPEngine) serveOne(c net.Conn, br *bufio.Reader, h Header) error {
 	mem := bytesAt(h.Addr, h.Size)
 	chunk := e.cfg.ChunkSize
 	var st [StatusSize]byte
@@ -89,13 +195,13 @@ func (e *TCPEngine) serveOne(c net.Conn, h Header) error {
 		if err != nil {
 			return err
 		}
-		e.m.bytes.WithLabelValues(dirServeRead).Add(float64(h.Size))
-		e.m.ops.WithLabelValues(dirServeRead).Inc()
+		e.m.serveReadBytes.Add(float64(h.Size))
+		e.m.serveReadOps.Inc()
 		return nil
 	}
 	for off := 0; off < len(mem); off += chunk {
 		c.SetDeadline(time.Now().Add(e.cfg.IOTimeout))
-		if _, err := io.ReadFull(c, mem[off:min(off+chunk, len(mem))]); err != nil {
+		if _, err := io.ReadFull(br, mem[off:min(off+chunk, len(mem))]); err != nil {
 			return err
 		}
 	}
@@ -105,14 +211,14 @@ func (e *TCPEngine) serveOne(c net.Conn, h Header) error {
 			return err
 		}
 	}
-	e.m.bytes.WithLabelValues(dirServeWrite).Add(float64(h.Size))
-	e.m.ops.WithLabelValues(dirServeWrite).Inc()
+	e.m.serveWriteBytes.Add(float64(h.Size))
+	e.m.serveWriteOps.Inc()
 	return nil
 }
 
 // reject counts a refused request and, for a v2 peer, sends the reject
 // status; the caller then ends the connection.
-func (e *TCPEngine) reject(c net.Conn, h Header, reason, peer string, err error) {
+func (e *TCPEngine) reject(c net.Conn, br *bufio.Reader, h Header, reason, peer string, err error) {
 	e.m.rejected.WithLabelValues(reason).Inc()
 	e.log.Warn("data: request refused", "peer", peer, "reason", reason, "opcode", h.Opcode, "addr", h.Addr, "size", h.Size, "err", err)
 	if h.V2 {
@@ -133,5 +239,5 @@ func (e *TCPEngine) reject(c net.Conn, h Header, reason, peer string, err error)
 		tc.CloseWrite()
 	}
 	c.SetDeadline(time.Now().Add(200 * time.Millisecond))
-	io.CopyN(io.Discard, c, drain)
+	io.CopyN(io.Discard, br, drain)
 }
