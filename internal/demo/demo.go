@@ -1,25 +1,18 @@
 package demo
 
 import (
-	"bufio"
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
-	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
-	"syscall"
 	"time"
-
-	zmq "github.com/pebbe/zmq4"
 
 	"github.com/kvflow/kvflow/hw/npu"
 	"github.com/kvflow/kvflow/internal/config"
+	"github.com/kvflow/kvflow/internal/workers"
 	"github.com/kvflow/kvflow/stages/plan"
 )
 
@@ -52,15 +45,12 @@ func Presets() map[string]config.Model {
 }
 
 type worker struct {
-	name    string
-	cfg     config.Config
-	cmd     *exec.Cmd
-	exited  chan error
-	logPath string
-	metrics string
-	ctl     *ctlClient
-	cache   *npu.Host
-	rank    int // DeviceIndex (prefill) or tp rank (decode)
+	*workers.Worker
+	cfg   config.Config
+	cache *npu.Host
+	ctl   *workers.Client
+	name  string
+	rank  int // DeviceIndex (prefill) or tp rank (decode)
 }
 
 // Run runs the demo.
@@ -80,21 +70,20 @@ func Run(ctx context.Context, o Options) (*Summary, error) {
 		dir = d
 		defer os.RemoveAll(d)
 	}
-	shmDir, err := os.MkdirTemp("/dev/shm", "kvflow-demo-")
-	if err != nil {
-		shmDir = filepath.Join(dir, "shm") // no /dev/shm: files in the work dir
-		os.MkdirAll(shmDir, 0o700)
-	}
-	defer os.RemoveAll(shmDir)
-
-	zctx, err := zmq.NewContext()
+	shmDir, err := workers.ShmDir("kvflow-demo-", dir)
 	if err != nil {
 		return nil, err
 	}
-	defer zctx.Term()
+	defer os.RemoveAll(shmDir)
 
-	d := &driver{o: o, dir: dir, shm: shmDir, zctx: zctx, rng: rand.New(rand.NewPCG(o.Seed, 1))}
-	defer d.stop()
+	set, err := workers.NewSet(o.Exe, dir)
+	if err != nil {
+		return nil, err
+	}
+	// Stops every worker on every return, also when ctx is cancelled.
+	defer set.Close()
+
+	d := &driver{o: o, dir: dir, shm: shmDir, set: set, rng: rand.New(rand.NewPCG(o.Seed, 1))}
 	if err := d.start(ctx); err != nil {
 		return nil, err
 	}
@@ -107,11 +96,10 @@ type driver struct {
 	o       Options
 	dir     string
 	shm     string
-	zctx    *zmq.Context
+	set     *workers.Set
 	rng     *rand.Rand
 	prefill []*worker
 	decode  []*worker
-	all     []*worker
 	kvPort  int
 	topo    plan.Topology
 }
@@ -133,32 +121,8 @@ func (d *driver) workerConfig(role config.Role, rank, kvPort int) config.Config 
 	return c
 }
 
-// freePorts finds n consecutive free TCP ports on loopback.
-func freePorts(n int) (int, error) {
-	for range 50 {
-		base := 20000 + rand.IntN(30000)
-		ok := true
-		var ls []net.Listener
-		for i := range n {
-			l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(base+i)))
-			if err != nil {
-				ok = false
-				break
-			}
-			ls = append(ls, l)
-		}
-		for _, l := range ls {
-			l.Close()
-		}
-		if ok {
-			return base, nil
-		}
-	}
-	return 0, errors.New("demo: no free port range on loopback")
-}
-
 func (d *driver) start(ctx context.Context) error {
-	base, err := freePorts(d.o.PrefillTP)
+	base, err := workers.FreePorts(d.o.PrefillTP)
 	if err != nil {
 		return err
 	}
@@ -189,94 +153,9 @@ func (d *driver) launch(ctx context.Context, cfg config.Config) (*worker, error)
 		return nil, fmt.Errorf("demo: worker config: %w", err)
 	}
 	name := strings.TrimSuffix(filepath.Base(cfg.Cache.Path), ".kv")
-	w := &worker{name: name, cfg: cfg, logPath: filepath.Join(d.dir, name+".log"), exited: make(chan error, 1)}
-	cfgPath := filepath.Join(d.dir, name+".json")
-	f, err := os.Create(cfgPath)
+	w, err := d.set.Launch(ctx, workers.Spec{Name: name, Config: cfg})
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("demo: %w", err)
 	}
-	if err := cfg.Print(f); err != nil {
-		f.Close()
-		return nil, err
-	}
-	f.Close()
-	logf, err := os.Create(w.logPath)
-	if err != nil {
-		return nil, err
-	}
-	defer logf.Close()
-	w.cmd = exec.Command(d.o.Exe, "serve", "--config", cfgPath)
-	w.cmd.Stderr = logf
-	out, err := w.cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	w.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := w.cmd.Start(); err != nil {
-		return nil, fmt.Errorf("demo: start %s: %w", name, err)
-	}
-	ready := make(chan string, 1)
-	go func() {
-		sc := bufio.NewScanner(out)
-		for sc.Scan() {
-			if line := sc.Text(); strings.HasPrefix(line, "kvflow ready") {
-				ready <- line
-			}
-		}
-	}()
-	go func() { w.exited <- w.cmd.Wait() }()
-	d.all = append(d.all, w) // stop() reaps it whatever happens next
-	select {
-	case line := <-ready:
-		for _, f := range strings.Fields(line) {
-			if v, ok := strings.CutPrefix(f, "metrics="); ok {
-				w.metrics = v
-			}
-		}
-	case err := <-w.exited:
-		w.exited <- err
-		return nil, fmt.Errorf("demo: %s exited before it was ready (%v); its log:\n%s", name, err, tail(w.logPath))
-	case <-time.After(30 * time.Second):
-		w.cmd.Process.Kill()
-		return nil, fmt.Errorf("demo: %s not ready after 30s; its log:\n%s", name, tail(w.logPath))
-	case <-ctx.Done():
-		return nil, ctx.Err()
-	}
-	w.ctl = newCtlClient(d.zctx, cfg.Node.Control, 10*time.Second)
-	shape, _ := cfg.Shape()
-	w.cache, err = npu.OpenShm(cfg.Cache.Path, npu.HostOptions{NoHugePages: true, Expect: &shape})
-	if err != nil {
-		return nil, fmt.Errorf("demo: attach %s cache: %w", name, err)
-	}
-	return w, nil
-}
-
-func tail(path string) string {
-	b, _ := os.ReadFile(path)
-	if len(b) > 4000 {
-		b = b[len(b)-4000:]
-	}
-	return string(b)
-}
-
-// stop terminates every worker (SIGTERM: two-phase shutdown), waits, and
-// kills what does not exit.
-func (d *driver) stop() {
-	for _, w := range d.all {
-		if w.ctl != nil {
-			w.ctl.close()
-		}
-		if w.cache != nil {
-			w.cache.Close()
-		}
-		w.cmd.Process.Signal(syscall.SIGTERM)
-	}
-	for _, w := range d.all {
-		select {
-		case <-w.exited:
-		case <-time.After(20 * time.Second):
-			w.cmd.Process.Kill()
-			<-w.exited
-		}
-	}
+	return &worker{Worker: w, cfg: cfg, cache: w.Cache, ctl: w.Ctl, name: name}, nil
 }

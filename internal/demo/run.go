@@ -132,7 +132,7 @@ func (d *driver) run(ctx context.Context) (*Summary, error) {
 		// One engine step: hand the connector metadata to every worker.
 		if sends := psched.buildConnectorMeta(); len(sends) > 0 {
 			for _, p := range d.prefill {
-				if _, err := p.ctl.call(map[string]any{"op": "send", "requests": sends}); err != nil {
+				if _, err := p.ctl.Call(map[string]any{"op": "send", "requests": sends}); err != nil {
 					return s, fmt.Errorf("demo: send to %s: %w", p.name, err)
 				}
 			}
@@ -143,7 +143,7 @@ func (d *driver) run(ctx context.Context) (*Summary, error) {
 				byID[l.RequestID].loaded = now
 			}
 			for _, w := range d.decode {
-				if _, err := w.ctl.call(map[string]any{"op": "load", "requests": loads}); err != nil {
+				if _, err := w.ctl.Call(map[string]any{"op": "load", "requests": loads}); err != nil {
 					return s, fmt.Errorf("demo: load on %s: %w", w.name, err)
 				}
 			}
@@ -151,7 +151,7 @@ func (d *driver) run(ctx context.Context) (*Summary, error) {
 		// get_finished on every worker.
 		progressed := false
 		for _, w := range d.decode {
-			rep, err := w.ctl.call(map[string]any{"op": "finished"})
+			rep, err := w.ctl.Call(map[string]any{"op": "finished"})
 			if err != nil {
 				return s, fmt.Errorf("demo: finished on %s: %w", w.name, err)
 			}
@@ -170,7 +170,7 @@ func (d *driver) run(ctx context.Context) (*Summary, error) {
 			}
 		}
 		for _, p := range d.prefill {
-			rep, err := p.ctl.call(map[string]any{"op": "finished"})
+			rep, err := p.ctl.Call(map[string]any{"op": "finished"})
 			if err != nil {
 				return s, fmt.Errorf("demo: finished on %s: %w", p.name, err)
 			}
@@ -248,7 +248,7 @@ func (d *driver) run(ctx context.Context) (*Summary, error) {
 	}
 	// Wait for the prefill side to free what is left (not needed for the
 	// verdict, but the demo shows frees too).
-	s.Stages = d.stageLatencies()
+	s.Stages = d.stageLatencies(ctx)
 	if !s.OK() {
 		return s, errors.New("demo: verification failed")
 	}

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
 	"runtime"
 	"strings"
 	"time"
@@ -20,6 +21,10 @@ type Result struct {
 	GoVersion string    `json:"go_version"`
 	CPUs      int       `json:"cpus"`
 	Started   time.Time `json:"started"`
+	// Netem is the --netem spec ("" none) and NetemMode how the delay was
+	// made.
+	Netem     string    `json:"netem,omitempty"`
+	NetemMode string    `json:"netem_mode,omitempty"`
 	Reports   []*Report `json:"reports"`
 }
 
@@ -49,7 +54,11 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	rawMiB := fs.Int("raw-mib", 1024, "MiB streamed for the raw TCP ceiling (0 skips it)")
 	timeout := fs.Duration("timeout", 5*time.Minute, "bound on one run")
 	asJSON := fs.Bool("json", false, "print JSON instead of tables")
-	verbose := fs.Bool("v", false, "log the workers at info level to stderr")
+	verbose := fs.Bool("v", false, "log the workers at info level (in-process: to stderr; processes: to their logs in the work dir)")
+	inProcess := fs.Bool("in-process", false, "run the workers in this process (node.Start per rank) instead of as `kvflow serve` processes")
+	exe := fs.String("exe", "", "the kvflow binary the workers run as `kvflow serve` (default: this executable)")
+	netemSpec := fs.String("netem", "", `shape the link between prefill and decode, e.g. "delay 1ms": each side in its own network namespace (root, iproute2; kernel netem, or a userspace delay relay where the kernel has no sch_netem); process mode only`)
+	plotPath := fs.String("plot", "", "also draw per-stage latency and throughput to this SVG file")
 	if err := clierr.ParseFlags(fs, args); err != nil {
 		return err
 	}
@@ -73,6 +82,20 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	if !(*maxMem > 0) {
 		errs = append(errs, fmt.Errorf("--max-mem-gib %v: want > 0", *maxMem))
+	}
+	if *inProcess && *netemSpec != "" {
+		errs = append(errs, errors.New("--netem: needs the workers as processes (drop --in-process)"))
+	}
+	if *inProcess && *exe != "" {
+		errs = append(errs, errors.New("--exe: needs the workers as processes (drop --in-process)"))
+	}
+	if *exe != "" {
+		if st, err := os.Stat(*exe); err != nil || st.IsDir() || st.Mode()&0o111 == 0 {
+			errs = append(errs, fmt.Errorf("--exe %q: not an executable file", *exe))
+		}
+	}
+	if *plotPath != "" && !strings.HasSuffix(strings.ToLower(*plotPath), ".svg") {
+		errs = append(errs, fmt.Errorf("--plot %q: want a .svg file", *plotPath))
 	}
 	if *rawMiB < 0 {
 		errs = append(errs, fmt.Errorf("--raw-mib %d: want >= 0", *rawMiB))
@@ -154,9 +177,39 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if *verbose {
 		log = slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	}
-	res := Result{GoVersion: runtime.Version(), CPUs: runtime.NumCPU(), Started: time.Now()}
+	var proc *Process
+	if !*inProcess {
+		proc = &Process{Exe: *exe, LogLevel: "warn"}
+		if *verbose {
+			proc.LogLevel = "info"
+		}
+		if proc.Exe == "" {
+			p, err := os.Executable()
+			if err != nil {
+				return fmt.Errorf("bench e2e: the kvflow binary: %w (give --exe)", err)
+			}
+			proc.Exe = p
+		}
+	}
+	res := Result{GoVersion: runtime.Version(), CPUs: runtime.NumCPU(), Started: time.Now(), Netem: *netemSpec}
+	if *netemSpec != "" {
+		n, err := setupNet(ctx, *netemSpec)
+		if err != nil {
+			return err
+		}
+		defer n.Close()
+		proc.Net = n
+		res.NetemMode = n.Describe()
+	}
 	if !*asJSON {
-		fmt.Fprintf(stdout, "kvflow bench e2e: %s, %d CPUs, in-process workers on loopback (the demo runs processes)\n", res.GoVersion, res.CPUs)
+		how := "in-process workers on loopback"
+		if proc != nil {
+			how = "kvflow serve processes on loopback"
+		}
+		if proc != nil && proc.Net != nil {
+			how = fmt.Sprintf("kvflow serve processes in network namespaces, netem %q: %s", *netemSpec, res.NetemMode)
+		}
+		fmt.Fprintf(stdout, "kvflow bench e2e: %s, %d CPUs, %s\n", res.GoVersion, res.CPUs, how)
 	}
 	failed := false
 	for _, w := range ws {
@@ -164,7 +217,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 		rep, err := Bench(ctx, Options{Workload: w, MaxMem: int64(*maxMem * (1 << 30)), Verify: *nverify, Modes: modes,
-			RawBytes: int64(*rawMiB) << 20, Timeout: *timeout, Logger: log})
+			RawBytes: int64(*rawMiB) << 20, Timeout: *timeout, Logger: log, Process: proc})
 		if err != nil {
 			return err
 		}
@@ -181,6 +234,14 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		enc.SetIndent("", "  ")
 		if err := enc.Encode(res); err != nil {
 			return err
+		}
+	}
+	if *plotPath != "" {
+		if err := WritePlot(*plotPath, &res); err != nil {
+			return err
+		}
+		if !*asJSON {
+			fmt.Fprintf(stdout, "plot: %s\n", *plotPath)
 		}
 	}
 	if failed {

@@ -4,16 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
-	"math/rand/v2"
 	"sync"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-
+	"github.com/kvflow/kvflow/hw/npu"
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/decode"
-	"github.com/kvflow/kvflow/internal/node"
+	"github.com/kvflow/kvflow/internal/prefill"
+	"github.com/kvflow/kvflow/internal/stagehist"
 	"github.com/kvflow/kvflow/internal/verify"
 	"github.com/kvflow/kvflow/stages/plan"
 )
@@ -21,15 +19,39 @@ import (
 // tag is the verify pattern of the prefill pool.
 const tag = 0x6b76666c6f77
 
-// cluster is one prefill instance and one decode instance in this process,
-// on loopback: real TCP transfer engines, real ZMQ side channels.
+// cluster is one prefill instance and one decode instance — `kvflow
+// serve` processes (proc.go) or nodes in this process (inproc.go) — with
+// their caches reachable from here.
 type cluster struct {
 	w       Workload
-	kvPort  int
-	prefill []*node.Node // by device index
-	decode  []*node.Node // by tp rank
-	regs    []*prometheus.Registry
+	kvPort  int    // the prefill instance's kv_port
+	host    string // the prefill host decode dials
+	prefill []rank // by device index
+	decode  []rank // by tp rank
 	col     *collector
+	be      backend
+}
+
+// rank is one worker's config and cache (its own, or the shm file mapped
+// here).
+type rank struct {
+	cfg config.Config
+	dev *npu.Host
+}
+
+// backend is how requests reach the workers.
+type backend interface {
+	// send hands every prefill rank the requests to hold.
+	send(ctx context.Context, reqs []prefill.SendRequest) error
+	// load starts reqs on every decode rank; results reach the collector.
+	load(ctx context.Context, reqs []decode.LoadRequest) error
+	// stages sums the decode ranks' stage histograms.
+	stages(ctx context.Context) stagehist.Set
+	// drain empties the prefill ranks' finished lists.
+	drain(ctx context.Context)
+	// describe is a line for the report.
+	describe() string
+	close()
 }
 
 func (w Workload) config(role config.Role, rank, kvPort int, pool, local int) config.Config {
@@ -73,90 +95,64 @@ func (w Workload) checkConfigs() error {
 	return errors.Join(errs...)
 }
 
-func startCluster(w Workload, log *slog.Logger) (*cluster, error) {
-	var last error
-	for range 8 {
-		kvPort := 20000 + rand.IntN(28000)
-		c, err := tryCluster(w, kvPort, log)
-		if err == nil {
-			return c, nil
-		}
-		last = err
-	}
-	return nil, last
-}
-
-func tryCluster(w Workload, kvPort int, log *slog.Logger) (_ *cluster, err error) {
-	_, local, pool := w.requests()
-	c := &cluster{w: w, kvPort: kvPort, col: newCollector()}
-	defer func() {
-		if err != nil {
-			c.close()
-		}
-	}()
-	for r := range w.PrefillTP {
-		n, err := node.Start(w.config(config.Prefill, r, kvPort, pool, local), node.Deps{Logger: log})
-		if err != nil {
-			return nil, fmt.Errorf("prefill rank %d: %w", r, err)
-		}
-		c.prefill = append(c.prefill, n)
-	}
-	for r := range w.DecodeTP {
-		reg := prometheus.NewRegistry()
-		n, err := node.Start(w.config(config.Decode, r, kvPort, pool, local), node.Deps{Logger: log, Registerer: reg, OnFinish: c.col.finish})
-		if err != nil {
-			return nil, fmt.Errorf("decode rank %d: %w", r, err)
-		}
-		c.decode = append(c.decode, n)
-		c.regs = append(c.regs, reg)
-	}
-	// Fill the prefill pool once; every request reads from it.
+// prepare fills the prefill pool once (every request reads from it) and
+// faults the decode caches in, so neither mode pays the first touch.
+func (c *cluster) prepare() {
+	_, _, pool := c.w.requests()
 	ids := seq(0, pool)
+	var wg sync.WaitGroup
 	for _, p := range c.prefill {
-		verify.FillBlocks(p.Device, p.Shape.NumLayers, p.Device.Layout().NumParts(), plan.DeviceIndex(p.Config.Topology().Prefill, p.Config.Self()), ids, tag)
+		wg.Go(func() {
+			verify.FillBlocks(p.dev, c.w.Layers, p.dev.Layout().NumParts(), plan.DeviceIndex(p.cfg.Topology().Prefill, p.cfg.Self()), ids, tag)
+		})
 	}
-	// Fault the decode caches in, so neither mode pays the first touch.
 	for _, d := range c.decode {
-		data := d.Device.Data()
-		for i := 0; i < len(data); i += 4096 {
-			data[i] = 0
-		}
+		wg.Go(func() {
+			data := d.dev.Data()
+			for i := 0; i < len(data); i += 4096 {
+				data[i] = 0
+			}
+		})
 	}
-	return c, nil
+	wg.Wait()
 }
 
 func (c *cluster) close() {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	for _, n := range append(append([]*node.Node(nil), c.decode...), c.prefill...) {
-		n.Close(ctx)
+	if c.be != nil {
+		c.be.close()
 	}
 }
 
 // params are a request's kv_transfer_params.
 func (c *cluster) params(r reqSpec) decode.KVTransferParams {
-	return decode.KVTransferParams{RemoteBlockIDs: r.remote, RemoteEngineID: "P", RemoteHost: "127.0.0.1",
+	return decode.KVTransferParams{RemoteBlockIDs: r.remote, RemoteEngineID: "P", RemoteHost: c.host,
 		RemotePort: c.kvPort, RemotePCPSize: 1, RemoteDCPSize: 1}
 }
 
 // rowBytes is one token's bytes of each part on a prefill rank.
 func (c *cluster) rowBytes() []int {
 	p := c.prefill[0]
-	l := p.Device.Layout()
+	l := p.dev.Layout()
 	out := make([]int, l.NumParts())
 	for i := range out {
-		out[i] = l.BlockLen(i) / p.Shape.BlockSize
+		out[i] = l.BlockLen(i) / c.w.BlockSize
 	}
 	return out
+}
+
+// decodeBlockBytes is one block of a decode rank's cache (all layers).
+func (c *cluster) decodeBlockBytes() uint64 {
+	d := c.decode[0]
+	return uint64(d.dev.Layout().Size() / int64(d.cfg.Model.NumBlocks))
 }
 
 // clear zeroes a request's local blocks on every decode rank.
 func (c *cluster) clear(r reqSpec) {
 	for _, d := range c.decode {
-		for l := range d.Shape.NumLayers {
-			for p := range d.Device.Layout().NumParts() {
+		for l := range c.w.Layers {
+			for p := range d.dev.Layout().NumParts() {
 				for _, b := range r.local {
-					clear(d.Device.Block(l, p, b))
+					clear(d.dev.Block(l, p, b))
 				}
 			}
 		}
@@ -168,15 +164,15 @@ func (c *cluster) check(id string, r reqSpec) (int64, error) {
 	var bad int64
 	var first error
 	for _, d := range c.decode {
-		pl, err := plan.PlanRequest(d.Config.Topology(), d.Config.Self(), plan.Request{ID: id, LocalBlockIDs: r.local,
-			RemoteBlockIDs: r.remote, RemoteHost: "127.0.0.1", RemotePort: c.kvPort, RemoteEngineID: "P", RemotePCPSize: 1, RemoteDCPSize: 1})
+		pl, err := plan.PlanRequest(d.cfg.Topology(), d.cfg.Self(), plan.Request{ID: id, LocalBlockIDs: r.local,
+			RemoteBlockIDs: r.remote, RemoteHost: c.host, RemotePort: c.kvPort, RemoteEngineID: "P", RemotePCPSize: 1, RemoteDCPSize: 1})
 		if err != nil {
 			return bad, err
 		}
-		n, err := verify.Check(d.Device, pl, c.rowBytes(), tag)
+		n, err := verify.Check(d.dev, pl, c.rowBytes(), tag)
 		bad += n
 		if first == nil && err != nil {
-			first = fmt.Errorf("decode rank %d: %w", d.Config.Rank.TP, err)
+			first = fmt.Errorf("decode rank %d: %w", d.cfg.Rank.TP, err)
 		}
 	}
 	return bad, first
@@ -187,6 +183,7 @@ func (c *cluster) check(id string, r reqSpec) (int64, error) {
 type collector struct {
 	mu   sync.Mutex
 	reqs map[string]*pending
+	open int // pending requests not finished
 }
 
 type pending struct {
@@ -203,34 +200,63 @@ func (c *collector) add(id string, ranks int) *pending {
 	p := &pending{left: ranks, done: make(chan struct{})}
 	c.mu.Lock()
 	c.reqs[id] = p
+	c.open++
 	c.mu.Unlock()
 	return p
+}
+
+// outstanding is the number of requests added and not finished.
+func (c *collector) outstanding() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.open
 }
 
 func (c *collector) forget(ids []string) {
 	c.mu.Lock()
 	for _, id := range ids {
+		if p := c.reqs[id]; p != nil && p.left > 0 {
+			c.open--
+		}
 		delete(c.reqs, id)
 	}
 	c.mu.Unlock()
 }
 
-func (c *collector) finish(res decode.Result) {
-	now := time.Now()
+// finish records one decode rank's result of request id, seen at now.
+func (c *collector) finish(id string, bytes uint64, err error, now time.Time) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	p := c.reqs[res.RequestID]
+	p := c.reqs[id]
 	if p == nil || p.left == 0 {
 		return
 	}
 	p.left--
-	p.bytes += res.Bytes
-	if res.Err != nil && p.err == nil {
-		p.err = res.Err
+	p.bytes += bytes
+	if err != nil && p.err == nil {
+		p.err = err
 	}
 	if p.left == 0 {
 		p.finished = now
+		c.open--
 		close(p.done)
+	}
+}
+
+// failAll ends every pending request with err (the workers can no longer
+// be asked).
+func (c *collector) failAll(err error) {
+	now := time.Now()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, p := range c.reqs {
+		if p.left > 0 {
+			p.left = 0
+			p.err = err
+			p.finished = now
+			c.open--
+			close(p.done)
+		}
 	}
 }
 

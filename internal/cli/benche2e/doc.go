@@ -2,11 +2,18 @@
 // latency of kvflow's decode pipeline against a serial baseline, measured
 // in the same invocation on the same workers.
 //
-// A run starts one prefill instance and one decode instance in this
-// process (node.Start per rank: real TCP transfer engines and real ZMQ side
-// channels on loopback; the demo starts processes instead), fills a pool of
-// prefill blocks with internal/verify's pattern, and drives each workload
-// twice: "kvflow" loads every request as it arrives (all at once, or on
+// A run starts one prefill instance and one decode instance on loopback:
+// by default each rank is a `kvflow serve` process (internal/workers, as
+// the demo launches them: shm caches mapped here, ipc:// control sockets,
+// /metrics scraped for the per-stage histograms), driven the way vLLM
+// drives the connector — send on the prefill ranks, load on the decode
+// ranks, finished polled on every decode rank (a request is done at the
+// reply that shows it done on its last rank). --in-process (and Options
+// without Process, as BenchmarkE2E uses it) runs the ranks as nodes in
+// this process instead (node.Start; results from OnFinish). With --netem
+// the processes run in two network namespaces joined by an emulated link
+// (internal/netem). The driver fills a pool of prefill blocks with
+// internal/verify's pattern and drives each workload twice: "kvflow" loads every request as it arrives (all at once, or on
 // the mixed preset's schedule) and lets the pipeline overlap them;
 // "serial" loads one request, waits until every decode rank reported it
 // done (handshake, read, stitch, DONE/ACK), then the next — the seed's
@@ -21,5 +28,7 @@
 // full model's sizes, requests carry fewer of them.
 //
 // It must never leave workers running: every cluster is closed on return,
-// also when ctx is cancelled.
+// also when ctx is cancelled (processes get SIGTERM, then their process
+// group SIGKILL). Every bad input is a usage error before any worker
+// starts.
 package benche2e

@@ -32,6 +32,9 @@ func ms(d time.Duration) string { return fmt.Sprintf("%.2fms", float64(d)/1e6) }
 func (rep *Report) WriteText(w io.Writer) {
 	fmt.Fprintf(w, "== %s\n", rep.Workload.Describe())
 	fmt.Fprintf(w, "   %s per block (all ranks of one side), %s of caches in all\n", gib(rep.BlockBytes), gib(rep.CacheBytes))
+	if rep.Workers != "" {
+		fmt.Fprintf(w, "   workers: %s\n", rep.Workers)
+	}
 	if rep.RawTCP1 > 0 {
 		fmt.Fprintf(w, "   raw TCP loopback ceiling (same run): 1 conn %.2f GB/s, 4 conns %.2f GB/s\n", rep.RawTCP1, rep.RawTCP4)
 	}

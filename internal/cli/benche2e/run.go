@@ -13,6 +13,9 @@ import (
 	"github.com/kvflow/kvflow/internal/stagehist"
 )
 
+// loadBatch is the most requests of one load call.
+const loadBatch = 64
+
 // Modes.
 const (
 	ModePipeline = "kvflow" // every request loaded as it arrives
@@ -34,6 +37,10 @@ type Options struct {
 	// Timeout bounds one run.
 	Timeout time.Duration
 	Logger  *slog.Logger
+	// Process, if set, runs the workers as `kvflow serve` processes
+	// driven through their control sockets; nil runs them in this
+	// process.
+	Process *Process
 }
 
 // Latency summarises request latencies (arrival to the last decode rank's
@@ -74,7 +81,9 @@ type RunReport struct {
 
 // Report is one workload's result.
 type Report struct {
-	Workload   Workload    `json:"workload"`
+	Workload Workload `json:"workload"`
+	// Workers says how the workers ran (processes, in-process, netns).
+	Workers    string      `json:"workers"`
 	CacheBytes int64       `json:"cache_bytes"`
 	BlockBytes int64       `json:"block_bytes"`
 	RawTCP1    float64     `json:"raw_tcp_1conn_gb_per_s"`
@@ -117,11 +126,20 @@ func Bench(ctx context.Context, o Options) (*Report, error) {
 			return nil, err
 		}
 	}
-	c, err := startCluster(w, log)
+	var c *cluster
+	if o.Process != nil {
+		c, err = startProc(ctx, w, o.Process, log)
+	} else {
+		c, err = startInProc(w, log)
+	}
 	if err != nil {
+		if ctx.Err() != nil {
+			return nil, context.Cause(ctx)
+		}
 		return nil, fmt.Errorf("bench e2e: start workers: %w", err)
 	}
 	defer c.close()
+	rep.Workers = c.be.describe()
 	reqs, _, _ := w.requests()
 	// Warm up: handshakes cached, engine connections open.
 	r0 := reqs[0]
@@ -185,16 +203,12 @@ func (c *cluster) run(ctx context.Context, prefix, mode string, reqs []reqSpec, 
 		ids[i] = fmt.Sprintf("%s-%d", prefix, i)
 	}
 	// The prefill side holds every request before decode asks.
-	for _, p := range c.prefill {
-		sends := make([]prefill.SendRequest, len(reqs))
-		for i, r := range reqs {
-			sends[i] = prefill.SendRequest{RequestID: ids[i], BlockIDs: r.remote}
-		}
-		for i, err := range p.Prefill.Send(sends) {
-			if err != nil {
-				return nil, fmt.Errorf("prefill send %s: %w", ids[i], err)
-			}
-		}
+	sends := make([]prefill.SendRequest, len(reqs))
+	for i, r := range reqs {
+		sends[i] = prefill.SendRequest{RequestID: ids[i], BlockIDs: r.remote}
+	}
+	if err := c.be.send(ctx, sends); err != nil {
+		return nil, err
 	}
 	sample := sampleIdx(len(reqs), nverify)
 	for _, i := range sample {
@@ -205,17 +219,7 @@ func (c *cluster) run(ctx context.Context, prefix, mode string, reqs []reqSpec, 
 		pend[i] = c.col.add(ids[i], len(c.decode))
 	}
 	defer c.col.forget(ids)
-	before := c.gather()
-	start := time.Now()
-	load := func(i int) error {
-		lr := []decode.LoadRequest{{RequestID: ids[i], LocalBlockIDs: reqs[i].local, Params: c.params(reqs[i])}}
-		for _, d := range c.decode {
-			if err := d.Decode.Load(ctx, lr)[0]; err != nil {
-				return err
-			}
-		}
-		return nil
-	}
+	before := c.be.stages(ctx)
 	wait := func(p *pending) error {
 		select {
 		case <-p.done:
@@ -224,15 +228,29 @@ func (c *cluster) run(ctx context.Context, prefix, mode string, reqs []reqSpec, 
 			return fmt.Errorf("waiting for requests: %w", context.Cause(ctx))
 		}
 	}
-	for i, r := range reqs {
-		if d := time.Until(start.Add(r.arrival)); d > 0 {
+	start := time.Now()
+	for i := 0; i < len(reqs); {
+		if d := time.Until(start.Add(reqs[i].arrival)); d > 0 {
 			select {
 			case <-time.After(d):
 			case <-ctx.Done():
 				return nil, context.Cause(ctx)
 			}
 		}
-		if err := load(i); err != nil {
+		// kvflow: every request that has arrived, in one load (at most
+		// loadBatch); serial: one.
+		j := i + 1
+		if mode == ModePipeline {
+			now := time.Since(start)
+			for j < len(reqs) && j-i < loadBatch && reqs[j].arrival <= now {
+				j++
+			}
+		}
+		lr := make([]decode.LoadRequest, 0, j-i)
+		for k := i; k < j; k++ {
+			lr = append(lr, decode.LoadRequest{RequestID: ids[k], LocalBlockIDs: reqs[k].local, Params: c.params(reqs[k])})
+		}
+		if err := c.be.load(ctx, lr); err != nil {
 			return nil, err
 		}
 		if mode == ModeSerial {
@@ -240,6 +258,7 @@ func (c *cluster) run(ctx context.Context, prefix, mode string, reqs []reqSpec, 
 				return nil, err
 			}
 		}
+		i = j
 	}
 	for _, p := range pend {
 		if err := wait(p); err != nil {
@@ -277,7 +296,7 @@ func (c *cluster) run(ctx context.Context, prefix, mode string, reqs []reqSpec, 
 		s, l := summarize(short), summarize(long)
 		rr.Short, rr.Long = &s, &l
 	}
-	rr.Stages = stageDelta(before, c.gather())
+	rr.Stages = stageDelta(before, c.be.stages(ctx))
 	for _, i := range sample {
 		bad, err := c.check(ids[i], reqs[i])
 		rr.Verified++
@@ -287,12 +306,7 @@ func (c *cluster) run(ctx context.Context, prefix, mode string, reqs []reqSpec, 
 		}
 	}
 	// Drain the workers' finished lists so long runs keep memory flat.
-	for _, d := range c.decode {
-		d.Decode.Finished()
-	}
-	for _, p := range c.prefill {
-		p.Prefill.Finished()
-	}
+	c.be.drain(ctx)
 	return rr, nil
 }
 
@@ -322,17 +336,6 @@ func summarize(d []time.Duration) Latency {
 		return s[max(0, min(i, len(s)-1))]
 	}
 	return Latency{Count: len(s), P50: q(0.5), P99: q(0.99), Max: s[len(s)-1]}
-}
-
-// gather sums the decode ranks' stage histograms.
-func (c *cluster) gather() stagehist.Set {
-	out := stagehist.Set{}
-	for _, reg := range c.regs {
-		if mfs, err := reg.Gather(); err == nil {
-			out.Add(mfs)
-		}
-	}
-	return out
 }
 
 func stageDelta(before, after stagehist.Set) []StageLatency {

@@ -1,4 +1,4 @@
-package demo
+package workers
 
 import (
 	"fmt"
@@ -10,16 +10,17 @@ import (
 	"github.com/kvflow/kvflow/internal/decode"
 )
 
-// ctlClient is a REQ client of one worker's control socket, used from one
+// Client is a REQ client of one worker's control socket, used from one
 // goroutine. A timed-out socket is closed and replaced.
-type ctlClient struct {
+type Client struct {
 	zctx     *zmq.Context
 	endpoint string
 	sock     *zmq.Socket
 	timeout  time.Duration
 }
 
-type ctlReply struct {
+// Reply is a control socket's answer.
+type Reply struct {
 	OK            bool             `msgpack:"ok"`
 	Error         string           `msgpack:"error"`
 	Errors        []*string        `msgpack:"errors"`
@@ -29,11 +30,13 @@ type ctlReply struct {
 	Status        map[string]any   `msgpack:"status"`
 }
 
-func newCtlClient(zctx *zmq.Context, endpoint string, timeout time.Duration) *ctlClient {
-	return &ctlClient{zctx: zctx, endpoint: endpoint, timeout: timeout}
+// NewClient is a client of endpoint; each call waits at most timeout.
+func NewClient(zctx *zmq.Context, endpoint string, timeout time.Duration) *Client {
+	return &Client{zctx: zctx, endpoint: endpoint, timeout: timeout}
 }
 
-func (c *ctlClient) close() {
+// Close closes the socket (a later Call opens a new one).
+func (c *Client) Close() {
 	if c.sock != nil {
 		c.sock.SetLinger(0)
 		c.sock.Close()
@@ -41,41 +44,43 @@ func (c *ctlClient) close() {
 	}
 }
 
-func (c *ctlClient) call(msg map[string]any) (ctlReply, error) {
+// Call sends msg and waits for the reply; a reply that is not ok, or
+// reports an error for one of its requests, is an error.
+func (c *Client) Call(msg map[string]any) (Reply, error) {
 	if c.sock == nil {
 		s, err := c.zctx.NewSocket(zmq.REQ)
 		if err != nil {
-			return ctlReply{}, fmt.Errorf("control %s: socket: %w", c.endpoint, err)
+			return Reply{}, fmt.Errorf("control %s: socket: %w", c.endpoint, err)
 		}
 		if err := s.Connect(c.endpoint); err != nil {
 			s.Close()
-			return ctlReply{}, fmt.Errorf("control %s: connect: %w", c.endpoint, err)
+			return Reply{}, fmt.Errorf("control %s: connect: %w", c.endpoint, err)
 		}
 		c.sock = s
 	}
 	b, err := msgpack.Marshal(msg)
 	if err != nil {
-		return ctlReply{}, err
+		return Reply{}, err
 	}
 	if _, err := c.sock.SendBytes(b, 0); err != nil {
-		c.close()
-		return ctlReply{}, fmt.Errorf("control %s: send: %w", c.endpoint, err)
+		c.Close()
+		return Reply{}, fmt.Errorf("control %s: send: %w", c.endpoint, err)
 	}
 	p := zmq.NewPoller()
 	p.Add(c.sock, zmq.POLLIN)
 	polled, err := p.Poll(c.timeout)
 	if err != nil || len(polled) == 0 {
-		c.close()
-		return ctlReply{}, fmt.Errorf("control %s: no reply within %v", c.endpoint, c.timeout)
+		c.Close()
+		return Reply{}, fmt.Errorf("control %s: no reply within %v", c.endpoint, c.timeout)
 	}
 	rb, err := c.sock.RecvBytes(0)
 	if err != nil {
-		c.close()
-		return ctlReply{}, fmt.Errorf("control %s: recv: %w", c.endpoint, err)
+		c.Close()
+		return Reply{}, fmt.Errorf("control %s: recv: %w", c.endpoint, err)
 	}
-	var r ctlReply
+	var r Reply
 	if err := msgpack.Unmarshal(rb, &r); err != nil {
-		return ctlReply{}, fmt.Errorf("control %s: bad reply: %w", c.endpoint, err)
+		return Reply{}, fmt.Errorf("control %s: bad reply: %w", c.endpoint, err)
 	}
 	if !r.OK {
 		return r, fmt.Errorf("control %s: %s", c.endpoint, r.Error)
