@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvflow/kvflow/internal/cli/benche2e"
+	"github.com/kvflow/kvflow/internal/netem"
 )
 
 // serveChildren lists the pids of this process's children running
@@ -115,6 +116,38 @@ func TestBenchE2ECancelStopsWorkers(t *testing.T) {
 	for _, pid := range seen {
 		if alive(pid) {
 			t.Errorf("worker %d still running after the cancelled run returned", pid)
+		}
+	}
+	if pids := serveChildren(t); len(pids) != 0 {
+		t.Errorf("workers left running: %v", pids)
+	}
+}
+
+// --netem: prefill and decode workers in their network namespaces, every
+// byte between them through the emulated link; skipped where namespaces
+// are unavailable (not root, no ip(8)).
+func TestBenchE2ENetem(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short")
+	}
+	if err := netem.Available(); err != nil {
+		t.Skip(err)
+	}
+	code, out, errOut := runCmd("bench", "e2e", "--netem", "delay 1ms", "--workload", "small", "--requests", "8", "--blocks", "2",
+		"--layers", "2", "--verify", "-1", "--raw-mib", "1", "--json")
+	if code != exitOK {
+		t.Fatalf("exit %d\n%s\n%s", code, out, errOut)
+	}
+	var res benche2e.Result
+	if err := json.Unmarshal([]byte(out), &res); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	if res.Netem != "delay 1ms" || res.NetemMode == "" || len(res.Reports) != 1 || !strings.Contains(res.Reports[0].Workers, "netns") {
+		t.Fatalf("netem %q mode %q reports %+v", res.Netem, res.NetemMode, res.Reports)
+	}
+	for _, r := range res.Reports[0].Runs {
+		if r.Failed != 0 || r.BadBytes != 0 || r.Verified != 8 || len(r.Stages) == 0 {
+			t.Errorf("%s: %+v", r.Mode, r)
 		}
 	}
 	if pids := serveChildren(t); len(pids) != 0 {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -38,6 +39,7 @@ func TestBadInputIsUsageErrorBeforeStarting(t *testing.T) {
 		{"bad exe", []string{"--exe", "/nonexistent/kvflow"}, "not an executable"},
 		{"bad plot", []string{"--plot", "out.png"}, "--plot"},
 		{"bad mem", []string{"--max-mem-gib", "0"}, "--max-mem-gib"},
+		{"bad netem", []string{"--netem", "delay 1ms; reboot"}, "--netem"},
 	}
 	// A stand-in for the kvflow binary that leaves a mark if anything
 	// launches it.
@@ -126,5 +128,20 @@ func TestTinyRun(t *testing.T) {
 	}
 	if errors.Is(err, ErrFailed) {
 		t.Error("failed")
+	}
+}
+
+func TestListenPorts(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	ports, err := listenPorts(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(ports, ln.Addr().(*net.TCPAddr).Port) {
+		t.Errorf("ports %v lack %v", ports, ln.Addr())
 	}
 }

@@ -86,6 +86,11 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if *inProcess && *netemSpec != "" {
 		errs = append(errs, errors.New("--netem: needs the workers as processes (drop --in-process)"))
 	}
+	if *netemSpec != "" {
+		if err := checkNetem(*netemSpec); err != nil {
+			errs = append(errs, fmt.Errorf("--netem: %w", err))
+		}
+	}
 	if *inProcess && *exe != "" {
 		errs = append(errs, errors.New("--exe: needs the workers as processes (drop --in-process)"))
 	}

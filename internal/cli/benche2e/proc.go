@@ -9,6 +9,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -154,6 +157,15 @@ func startProc(ctx context.Context, w Workload, o *Process, log *slog.Logger) (_
 		}
 		be.prefill = append(be.prefill, wk)
 		c.prefill = append(c.prefill, rank{cfg: cfg, dev: wk.Cache})
+		if o.Net != nil {
+			// The engine's data port is its own pick: relay every port
+			// the worker listens on (its namespace's /proc view).
+			ports, err := listenPorts(wk.Pid())
+			if err != nil {
+				return nil, fmt.Errorf("%s: its listening ports: %w", name, err)
+			}
+			relay = append(relay, ports...)
+		}
 	}
 	if o.Net != nil {
 		if err := o.Net.Relay(relay...); err != nil {
@@ -295,4 +307,33 @@ func (b *proc) close() {
 	b.set.Close()
 	os.RemoveAll(b.shm)
 	os.RemoveAll(b.dir)
+}
+
+// listenPorts are the TCP ports process pid listens on in its network
+// namespace (/proc/<pid>/net/tcp and tcp6, state 0A).
+func listenPorts(pid int) ([]int, error) {
+	var out []int
+	for _, f := range []string{"tcp", "tcp6"} {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/net/%s", pid, f))
+		if err != nil {
+			if f == "tcp6" {
+				continue
+			}
+			return nil, err
+		}
+		for _, line := range strings.Split(string(b), "\n")[1:] {
+			fs := strings.Fields(line)
+			if len(fs) < 4 || fs[3] != "0A" {
+				continue
+			}
+			_, hex, ok := strings.Cut(fs[1], ":")
+			if !ok {
+				continue
+			}
+			if p, err := strconv.ParseUint(hex, 16, 16); err == nil && !slices.Contains(out, int(p)) {
+				out = append(out, int(p))
+			}
+		}
+	}
+	return out, nil
 }

@@ -153,8 +153,10 @@ func Bench(ctx context.Context, o Options) (*Report, error) {
 			warm[i].arrival = 0
 		}
 	}
-	if _, err := c.run(ctx, "warmup", wmode, warm, 0, o.Timeout); err != nil {
+	if r, err := c.run(ctx, "warmup", wmode, warm, 0, o.Timeout); err != nil {
 		return nil, fmt.Errorf("bench e2e: warm-up: %w", err)
+	} else if r.Failed > 0 {
+		return nil, fmt.Errorf("bench e2e: warm-up: %d of %d requests failed; first: %s", r.Failed, r.Requests, r.FirstErr)
 	}
 	for k, m := range o.Modes {
 		r, err := c.run(ctx, fmt.Sprintf("%s%d", m, k), m, reqs, o.Verify, o.Timeout)
