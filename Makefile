@@ -27,9 +27,14 @@ test: deps vet test-nocgo
 demo: build
 	./$(BIN) demo
 
-# Benchmarks, each against a baseline measured in the same run; see bench/RESULTS.md.
+# Benchmarks, each against a baseline measured in the same run: the stage
+# benchmarks and `kvflow bench e2e` (all workloads; small with --netem
+# "delay 1ms" when root), then rewrites bench/RESULTS.md and bench/e2e.svg
+# (about 4 minutes on 2 cores; not part of make test). BENCHTIME sets the
+# stage benchmarks' -benchtime.
+BENCHTIME ?= 1s
 bench: deps
-	$(GO) test -run '^$$' -bench . -benchmem -count 1 ./bench/... ./pipeline/ ./hw/npu/ ./hw/mooncake/ ./stages/plan/
+	GO=$(GO) $(GO) run ./internal/cli/benchresults/gen -out bench/RESULTS.md -plot bench/e2e.svg -benchtime $(BENCHTIME)
 
 # 10 minutes of mixed load with random faults on loopback (not part of make test).
 soak: deps

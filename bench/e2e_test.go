@@ -9,9 +9,11 @@ import (
 	"github.com/kvflow/kvflow/internal/cli/benche2e"
 )
 
-// BenchmarkE2E runs the `kvflow bench e2e` presets in this process: one
-// prefill and one decode instance on loopback (real TCP engines, real ZMQ
-// side channels), each workload driven twice per iteration on the same
+// BenchmarkE2E runs the `kvflow bench e2e` presets in this process (the
+// command's --in-process; its default runs `kvflow serve` processes, which
+// a test binary cannot exec): one prefill and one decode instance on
+// loopback (real TCP engines, real ZMQ side channels), each workload driven
+// twice per iteration on the same
 // workers — kvflow's pipeline (every request loaded at once, or on the
 // mixed schedule) and the serial baseline (load, wait for done, next) —
 // with 16 requests per run verified byte by byte. The caches are capped at
