@@ -127,6 +127,16 @@ func groupedBars(title, ylabel string, labels []string, ss []series) (*plot.Plot
 	p.Y.Min = 0
 	p.Legend.Top = true
 	width := vg.Points(min(14, 220/float64(len(labels)*len(ss))))
+	// Headroom above the tallest bar for the legend.
+	top := 0.0
+	for _, s := range ss {
+		for _, v := range s.vals {
+			top = max(top, v)
+		}
+	}
+	if top > 0 {
+		p.Y.Max = top * (1.1 + 0.08*float64(len(ss)))
+	}
 	for i, s := range ss {
 		b, err := plotter.NewBarChart(s.vals, width)
 		if err != nil {
