@@ -4,9 +4,15 @@ import (
 	"testing"
 )
 
+// appendFunc is AppendOps or a variant of it (appendOpsRef) to benchmark.
+type appendFunc func([]Op, CacheLayout, Task, Caches, Caches) ([]Op, error)
+
 // benchPlan plans a 128-block request on one decode rank and builds every
-// task's ops into a reused buffer: the whole per-request planning cost.
-func benchPlan(b *testing.B, tp Topology, layout CacheLayout) {
+// task's ops into a reused buffer with appendOps (AppendOps, or the old
+// per-block code for the *Ref baselines): the whole per-request planning
+// cost. Besides ns/op (= ns/request) it reports ops/request, ns/task and
+// ns/planop (ns per address triple).
+func benchPlan(b *testing.B, tp Topology, layout CacheLayout, appendOps appendFunc) {
 	if err := tp.Validate(); err != nil {
 		b.Fatal(err)
 	}
@@ -37,7 +43,7 @@ func benchPlan(b *testing.B, tp Topology, layout CacheLayout) {
 		nops, ntasks = 0, len(pl.Tasks)
 		for _, t := range pl.Tasks {
 			n := (t.LayerEnd - t.LayerStart) * cpl
-			ops, err = AppendOps(ops[:0], layout, t, Caches{Base: lbase}, Caches{Base: rbase[:n]})
+			ops, err = appendOps(ops[:0], layout, t, Caches{Base: lbase}, Caches{Base: rbase[:n]})
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -45,23 +51,38 @@ func benchPlan(b *testing.B, tp Topology, layout CacheLayout) {
 		}
 	}
 	b.ReportMetric(float64(nops), "ops/request")
-	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/float64(ntasks), "ns/task")
+	ns := float64(b.Elapsed().Nanoseconds()) / float64(b.N)
+	b.ReportMetric(ns/float64(ntasks), "ns/task")
+	b.ReportMetric(ns/float64(nops), "ns/planop")
 }
 
 // BenchmarkPlanMLA64: DeepSeek-style MLA, 64 layers, prefill TP 8 -> decode TP 2
 // (random rank choice), 2-part cache.
-func BenchmarkPlanMLA64(b *testing.B) {
-	benchPlan(b, mla(), CacheLayout{BlockLen: []uint64{128 * 512 * 2, 128 * 64 * 2}, CachesPerLayer: 2})
-}
+func BenchmarkPlanMLA64(b *testing.B) { benchPlan(b, mla(), mlaLayout, AppendOps) }
+
+// BenchmarkPlanMLA64Ref is BenchmarkPlanMLA64 with the old op generation
+// (appendOpsRef), to compare in the same run.
+func BenchmarkPlanMLA64Ref(b *testing.B) { benchPlan(b, mla(), mlaLayout, appendOpsRef) }
+
+var (
+	mlaLayout = CacheLayout{BlockLen: []uint64{128 * 512 * 2, 128 * 64 * 2}, CachesPerLayer: 2}
+	gqaLayout = CacheLayout{BlockLen: []uint64{128 * 4 * 128 * 2}, CachesPerLayer: 2}
+)
 
 // BenchmarkPlanGQA64P4: GQA, 8 KV heads, prefill TP 8 -> decode TP 2, so
 // tp_num_need_pulls = 4 (one op per block, 4 tasks).
-func BenchmarkPlanGQA64P4(b *testing.B) {
+func BenchmarkPlanGQA64P4(b *testing.B) { benchGQA64P4(b, AppendOps) }
+
+// BenchmarkPlanGQA64P4Ref is BenchmarkPlanGQA64P4 with the old op
+// generation (appendOpsRef), to compare in the same run.
+func BenchmarkPlanGQA64P4Ref(b *testing.B) { benchGQA64P4(b, appendOpsRef) }
+
+func benchGQA64P4(b *testing.B, f appendFunc) {
 	tp := gqa()
 	if tp.NeedPulls() != 4 {
 		b.Fatalf("P = %d", tp.NeedPulls())
 	}
-	benchPlan(b, tp, CacheLayout{BlockLen: []uint64{128 * 4 * 128 * 2}, CachesPerLayer: 2})
+	benchPlan(b, tp, gqaLayout, f)
 }
 
 // BenchmarkPlanOnly is PlanRequest alone (no ops) for the GQA case.

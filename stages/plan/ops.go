@@ -160,47 +160,72 @@ func AppendOps(dst []Op, layout CacheLayout, t Task, local, remote Caches) ([]Op
 			return dst, fmt.Errorf("ops: block_len %d not divisible by tp_num_need_pulls %d", b, t.P)
 		}
 	}
-	if need := OpCount(t, layout); cap(dst)-len(dst) < need {
+	loc := t.LocalBlockIDs
+	groups := nl // ops per tensor: one per block, or one per contiguous run when P == 1
+	if t.P == 1 {
+		groups = 1
+		for i := 1; i < nl; i++ {
+			if loc[i]-loc[i-1] != 1 || rem[i]-rem[i-1] != 1 {
+				groups++
+			}
+		}
+	}
+	need := groups * len(lbase) // == OpCount(t, layout)
+	if cap(dst)-len(dst) < need {
 		grown := make([]Op, len(dst), len(dst)+need)
 		copy(grown, dst)
 		dst = grown
 	}
+	n0 := len(dst)
+	dst = dst[:n0+need]
+	out := dst[n0:]
+	rbase := remote.Base[:len(lbase)]
+	// Tensor k uses part q = k % len(BlockLen) (blockLen(k)). The first
+	// tensor of each part is computed in full; every later tensor of that
+	// part has the same ops shifted by its base addresses' difference from
+	// the first one's, so it is a copy plus two adds per op. uint64
+	// arithmetic wraps, so (b_q + x) + (b_k - b_q) == b_k + x exactly: the
+	// ops are the ones the direct formula gives.
+	parts := len(layout.BlockLen)
 	slot := uint64(t.HeadSlot)
-	if t.P > 1 {
-		for k := range lbase {
-			bl := layout.blockLen(k) // the seed indexes parts by the position in the sliced list
+	for k := 0; k < parts && k < len(lbase); k++ {
+		bl := layout.BlockLen[k] // == layout.blockLen(k) for k < parts
+		o := out[k*groups : (k+1)*groups]
+		if t.P > 1 {
 			inner := bl / p
-			lb0, rb0 := lbase[k]+slot*inner, remote.Base[k]
-			for i, b := range t.LocalBlockIDs {
-				dst = append(dst, Op{Local: lb0 + uint64(b)*bl, Remote: rb0 + uint64(rem[i])*inner, Len: inner})
+			lb0, rb0 := lbase[k]+slot*inner, rbase[k]
+			o = o[:len(loc)]
+			rem := rem[:len(loc)]
+			for i, b := range loc {
+				o[i] = Op{Local: lb0 + uint64(b)*bl, Remote: rb0 + uint64(rem[i])*inner, Len: inner}
+			}
+			continue
+		}
+		// P == 1: one op per contiguous run of local and remote blocks.
+		lb0, rb0 := lbase[k], rbase[k]
+		j, s := 0, 0
+		for i := 1; i <= nl; i++ {
+			if i == nl || loc[i]-loc[i-1] != 1 || rem[i]-rem[i-1] != 1 {
+				o[j] = Op{Local: lb0 + uint64(loc[s])*bl, Remote: rb0 + uint64(rem[s])*bl, Len: bl * uint64(i-s)}
+				j++
+				s = i
 			}
 		}
-		return dst, nil
 	}
-	// P == 1: group contiguous runs once, then emit one op per run and tensor.
-	var small [64]int32
-	starts := small[:0]
-	for i := 0; i < nl; i++ {
-		if i == 0 || t.LocalBlockIDs[i]-t.LocalBlockIDs[i-1] != 1 || rem[i]-rem[i-1] != 1 {
-			starts = append(starts, int32(i))
-		}
-	}
-	for k := range lbase {
-		bl := layout.blockLen(k)
-		lb0, rb0 := lbase[k], remote.Base[k]
-		for j, s := range starts {
-			e := nl
-			if j+1 < len(starts) {
-				e = int(starts[j+1])
-			}
-			dst = append(dst, Op{
-				Local:  lb0 + uint64(t.LocalBlockIDs[s])*bl,
-				Remote: rb0 + uint64(rem[s])*bl,
-				Len:    bl * uint64(e-int(s)),
-			})
-		}
+	for k := parts; k < len(lbase); k++ {
+		q := k % parts
+		shiftOps(out[k*groups:(k+1)*groups], out[q*groups:(q+1)*groups], lbase[k]-lbase[q], rbase[k]-rbase[q])
 	}
 	return dst, nil
+}
+
+// shiftOps sets dst[i] to src[i] with dl added to Local and dr to Remote.
+// dst and src have the same length and do not overlap.
+func shiftOps(dst, src []Op, dl, dr uint64) {
+	src = src[:len(dst)]
+	for i := range dst {
+		dst[i] = Op{Local: src[i].Local + dl, Remote: src[i].Remote + dr, Len: src[i].Len}
+	}
 }
 
 // Ops is AppendOps into a new slice.
