@@ -107,18 +107,74 @@ type Config[T any] struct {
 	Logger *slog.Logger
 }
 
+// envelope travels through the queues by value: no allocation per item.
 type envelope[T any] struct {
-	item     T
-	err      error
-	failedAt string
-	start    int64 // nanotime at acceptance
+	item  T
+	fail  *failure // nil while the item is healthy
+	start int64    // nanotime at acceptance; 0 when its latency is not sampled
+}
+
+// failure is an item's cause and the stage where it first failed; it is
+// allocated only for items that fail.
+type failure struct {
+	err   error
+	stage string
 }
 
 type stage[T any] struct {
-	cfg   StageConfig[T]
-	idx   int
-	queue chan *envelope[T]
-	m     stageMetrics
+	cfg     StageConfig[T]
+	idx     int
+	queue   chan envelope[T]
+	m       stageMetrics
+	workers []worker
+}
+
+// Timing: every item of a stage is timed while the stage's recent items
+// took at least timeAllAbove; below that the clock reads and histogram
+// update would cost more than the work itself, so one item in
+// timeEvery is timed (kvflow_stage_items_total still counts every item).
+// kvflow's real stages (handshake misses, reads, DONE/ACK) take far longer
+// and are always timed. Likewise the end-to-end latency
+// (kvflow_pipeline_item_duration_seconds) is measured on every item while
+// recent items took at least latencyAllAbove from acceptance to the sink,
+// on one item in timeEvery otherwise (kvflow_pipeline_items_total still
+// counts every item).
+const (
+	timeAllAbove    = 20 * time.Microsecond
+	latencyAllAbove = time.Millisecond
+	timeEvery       = 16
+)
+
+// worker is one worker goroutine's state. Only that goroutine writes it;
+// scrapes and Close read the published atomics. It fills two cache lines
+// so that workers do not share one.
+//
+// The worker keeps its counts in plain fields and publishes them with one
+// store per item, when it starts the item (that store also publishes the
+// end of the previous one), and whenever it is about to wait: for the next
+// item, for room downstream, or, after Close began, for nothing (see end).
+// So the published values are exact while the worker runs a stage function
+// or waits; while it passes a finished item on (a send to a queue with
+// room, or the sink) it still reads busy and that item is not yet counted.
+type worker struct {
+	state atomic.Uint64 // published ok<<1 | busy
+	done  atomic.Int64  // published done
+	ok    uint64        // items this worker's stage function returned nil for
+	ended int64         // items this worker handed to the sink as Done
+	fast  bool          // the last timed item took less than timeAllAbove
+	skip  int           // items until the next timed one, while fast
+	_     [128 - 48]byte
+}
+
+// publish makes w's counts visible, busy or not.
+func (p *Pipeline[T]) publish(w *worker, busy uint64) {
+	w.state.Store(w.ok<<1 | busy)
+	if w.ended != w.done.Load() {
+		w.done.Store(w.ended)
+		if p.closed.Load() {
+			p.checkDrained()
+		}
+	}
 }
 
 // Pipeline is a running chain of stages. Create it with New; it is safe for
@@ -130,17 +186,27 @@ type Pipeline[T any] struct {
 	m      *metrics
 
 	closed    atomic.Bool
+	canceled  atomic.Bool   // set with hardCancel; cheaper to poll than hardCtx.Err
+	timeAll   atomic.Bool   // recent items took >= latencyAllAbove end to end
 	closing   chan struct{} // closed when Close begins: stops blocked Submits
 	drained   chan struct{} // closed when, after Close began, no item is in flight
 	drainOnce sync.Once
 
 	hardCtx    context.Context // canceled when Close's deadline passes
 	hardCancel context.CancelFunc
-	canceled   atomic.Bool // set with hardCancel; cheaper to poll than hardCtx.Err
 	workers    conc.WaitGroup
 	closeOnce  sync.Once
 	closeErr   error
-	inflight   atomic.Int64
+
+	// In flight = accepted - ended, where ended is the workers' done
+	// counts plus failed and canceledN. accepted is written by the intake
+	// only and sits on its own cache lines, away from the read-mostly
+	// fields above that every worker reads per item.
+	_         [128]byte
+	accepted  atomic.Int64 // accepted minus backed out
+	_         [128]byte
+	failed    atomic.Int64 // items that reached the sink as Failed
+	canceledN atomic.Int64 // ... as Canceled
 }
 
 // New validates cfg, registers the metrics and starts every stage's workers.
@@ -163,31 +229,49 @@ func New[T any](cfg Config[T]) (*Pipeline[T], error) {
 		drained: make(chan struct{}),
 	}
 	p.hardCtx, p.hardCancel = context.WithCancel(context.Background())
-	names := make([]string, len(cfg.Stages))
-	for i, sc := range cfg.Stages {
-		names[i] = sc.Name
-	}
-	m, err := newMetrics(reg, names, &p.inflight)
+	m, err := newMetrics(reg, func() float64 { return float64(p.InFlight()) })
 	if err != nil {
 		p.hardCancel()
 		return nil, err
 	}
 	p.m = m
 	for i, sc := range cfg.Stages {
-		s := &stage[T]{cfg: sc, idx: i, queue: make(chan *envelope[T], sc.Capacity)}
-		s.m = m.forStage(sc.Name, sc.Capacity, func() float64 { return float64(len(s.queue)) })
+		s := &stage[T]{cfg: sc, idx: i, queue: make(chan envelope[T], sc.Capacity), workers: make([]worker, sc.Workers)}
+		s.m = m.forStage(sc.Name, sc.Capacity, func() float64 { return float64(len(s.queue)) }, s.workerStates)
 		p.stages = append(p.stages, s)
 	}
-	if err := reg.Register(m.gauges); err != nil {
+	m.scrape.results = p.results
+	if err := reg.Register(m.scrape); err != nil {
 		p.hardCancel()
 		return nil, fmt.Errorf("pipeline: register metrics: %w", err)
 	}
 	for _, s := range p.stages {
-		for range s.cfg.Workers {
-			p.workers.Go(func() { p.run(s) })
+		for i := range s.workers {
+			w := &s.workers[i]
+			p.workers.Go(func() { p.run(s, w) })
 		}
 	}
 	return p, nil
+}
+
+// workerStates sums the stage's workers' ok counts and busy flags.
+func (s *stage[T]) workerStates() (ok, busy uint64) {
+	for i := range s.workers {
+		st := s.workers[i].state.Load()
+		ok += st >> 1
+		busy += st & 1
+	}
+	return ok, busy
+}
+
+// results is the count of items that reached the sink, by outcome.
+func (p *Pipeline[T]) results() (done, failed, canceled int64) {
+	for _, s := range p.stages {
+		for i := range s.workers {
+			done += s.workers[i].done.Load()
+		}
+	}
+	return done, p.failed.Load(), p.canceledN.Load()
 }
 
 func validate[T any](cfg Config[T]) error {
@@ -231,10 +315,14 @@ func isNilFunc[T any](s Stage[T]) bool {
 // accepted and will not reach the sink. A nil error means the item will
 // reach the sink exactly once.
 func (p *Pipeline[T]) Submit(ctx context.Context, item T) error {
-	if err := p.accept(); err != nil {
+	n, err := p.accept()
+	if err != nil {
 		return err
 	}
-	e := &envelope[T]{item: item, start: nanotime()}
+	e := envelope[T]{item: item}
+	if n%timeEvery == 0 || p.timeAll.Load() {
+		e.start = nanotime()
+	}
 	first := p.stages[0]
 	select {
 	case first.queue <- e:
@@ -258,12 +346,17 @@ func (p *Pipeline[T]) Submit(ctx context.Context, item T) error {
 // ErrFull (and counts a rejection) when the queue is full, ErrClosed after
 // Close; the item was then not accepted.
 func (p *Pipeline[T]) TrySubmit(item T) error {
-	if err := p.accept(); err != nil {
+	n, err := p.accept()
+	if err != nil {
 		return err
+	}
+	e := envelope[T]{item: item}
+	if n%timeEvery == 0 || p.timeAll.Load() {
+		e.start = nanotime()
 	}
 	first := p.stages[0]
 	select {
-	case first.queue <- &envelope[T]{item: item, start: nanotime()}:
+	case first.queue <- e:
 		return nil
 	default:
 		p.unaccept()
@@ -272,29 +365,48 @@ func (p *Pipeline[T]) TrySubmit(item T) error {
 	}
 }
 
-// accept counts an item in. Intake and Close meet on two atomics (no
-// lock on the hot path): an item counted before Close saw the count is
-// waited for; one counted after sees closed and backs out.
-func (p *Pipeline[T]) accept() error {
+// accept counts an item in and returns the count. Intake and Close meet
+// on atomics (no lock on the hot path): an item counted before Close saw
+// the count is waited for; one counted after sees closed and backs out.
+func (p *Pipeline[T]) accept() (int64, error) {
 	if p.closed.Load() {
-		return ErrClosed
+		return 0, ErrClosed
 	}
-	p.inflight.Add(1)
+	n := p.accepted.Add(1)
 	if p.closed.Load() {
 		p.unaccept()
-		return ErrClosed
+		return 0, ErrClosed
 	}
-	return nil
+	return n, nil
 }
 
 func (p *Pipeline[T]) unaccept() {
-	if p.inflight.Add(-1) == 0 && p.closed.Load() {
+	p.accepted.Add(-1)
+	if p.closed.Load() {
+		p.checkDrained()
+	}
+}
+
+// checkDrained closes drained if no accepted item is in flight. Called
+// after Close began, by Close and by whoever ends or backs out an item.
+//
+// The ended counts are read before accepted: each item counted ended was
+// accepted earlier, so ended <= accepted, and equality means every item
+// accepted so far has ended; an item accepted later sees closed and backs
+// out. Whoever makes the last change sees final values, so one of them
+// (or Close) sees equality.
+func (p *Pipeline[T]) checkDrained() {
+	d, f, c := p.results()
+	if d+f+c == p.accepted.Load() {
 		p.drainOnce.Do(func() { close(p.drained) })
 	}
 }
 
 // InFlight is the number of accepted items that have not reached the sink.
-func (p *Pipeline[T]) InFlight() int { return int(p.inflight.Load()) }
+func (p *Pipeline[T]) InFlight() int {
+	d, f, c := p.results()
+	return max(int(p.accepted.Load()-d-f-c), 0)
+}
 
 // Close stops intake, waits until every accepted item has reached the sink,
 // and returns. If ctx ends first, it cancels the items still in the
@@ -305,9 +417,7 @@ func (p *Pipeline[T]) Close(ctx context.Context) error {
 	p.closeOnce.Do(func() {
 		p.closed.Store(true)
 		close(p.closing)
-		if p.inflight.Load() == 0 {
-			p.drainOnce.Do(func() { close(p.drained) })
-		}
+		p.checkDrained()
 		drained := p.drained
 		select {
 		case <-drained:
@@ -331,36 +441,30 @@ func (p *Pipeline[T]) Close(ctx context.Context) error {
 	return p.closeErr
 }
 
-// Timing: every item of a stage is timed while the stage's recent items
-// took at least timeAllAbove; below that the clock reads and histogram
-// update would cost more than the work itself, so one item in
-// timeEvery is timed (kvflow_stage_items_total still counts every item).
-// kvflow's real stages (handshake misses, reads, DONE/ACK) take far longer
-// and are always timed.
-const (
-	timeAllAbove = 20 * time.Microsecond
-	timeEvery    = 16
-)
-
-// worker is one worker goroutine's timing state.
-type worker struct {
-	fast bool // the last timed item took less than timeAllAbove
-	skip int  // items until the next timed one, while fast
-}
-
-func (p *Pipeline[T]) run(s *stage[T]) {
-	var w worker
-	for e := range s.queue {
-		p.handle(s, &w, e)
+func (p *Pipeline[T]) run(s *stage[T], w *worker) {
+	defer p.publish(w, 0)
+	for {
+		var e envelope[T]
+		var more bool
+		select {
+		case e, more = <-s.queue:
+		default:
+			p.publish(w, 0) // about to wait
+			e, more = <-s.queue
+		}
+		if !more {
+			return
+		}
+		p.handle(s, w, e)
 	}
 }
 
-func (p *Pipeline[T]) handle(s *stage[T], w *worker, e *envelope[T]) {
+func (p *Pipeline[T]) handle(s *stage[T], w *worker, e envelope[T]) {
 	if p.canceled.Load() {
-		p.cancel(s, e)
+		p.cancel(w, s, e)
 		return
 	}
-	s.m.busy.Add(1)
+	p.publish(w, 1)
 	timed := !w.fast || w.skip == 0
 	var t0 int64
 	if timed {
@@ -374,30 +478,27 @@ func (p *Pipeline[T]) handle(s *stage[T], w *worker, e *envelope[T]) {
 	} else {
 		w.skip--
 	}
-	s.m.busy.Add(-1)
-
-	if err != nil && p.canceled.Load() {
-		s.m.outcome(outcomeCanceled).Inc()
-		p.cancel(s, e)
+	if err == nil {
+		w.ok++
+		p.forward(w, s.idx+1, e)
 		return
 	}
-	switch {
-	case err == nil:
-		s.m.outcome(outcomeOK).Inc()
-	default:
-		s.m.outcome(outcomeError).Inc()
-		if e.err == nil {
-			e.failedAt = s.cfg.Name
-			e.err = err
-		} else {
-			e.err = errors.Join(e.err, err)
-		}
+	if p.canceled.Load() {
+		s.m.canceled.Add(1)
+		p.cancel(w, s, e)
+		return
 	}
-	p.forward(s.idx+1, e)
+	s.m.errors.Add(1)
+	if e.fail == nil {
+		e.fail = &failure{err: err, stage: s.cfg.Name}
+	} else {
+		e.fail = &failure{err: errors.Join(e.fail.err, err), stage: e.fail.stage}
+	}
+	p.forward(w, s.idx+1, e)
 }
 
 // invoke runs the stage's function on e, turning a panic into an error.
-func (p *Pipeline[T]) invoke(s *stage[T], e *envelope[T]) (err error) {
+func (p *Pipeline[T]) invoke(s *stage[T], e envelope[T]) (err error) {
 	defer func() {
 		if r := recover(); r != nil {
 			s.m.panics.Inc()
@@ -405,9 +506,9 @@ func (p *Pipeline[T]) invoke(s *stage[T], e *envelope[T]) (err error) {
 			err = fmt.Errorf("pipeline: stage %q panicked: %v", s.cfg.Name, r)
 		}
 	}()
-	if e.err != nil {
+	if e.fail != nil {
 		if fa, ok := s.cfg.Stage.(FailureAware[T]); ok {
-			return fa.ProcessFailed(p.hardCtx, e.item, e.err)
+			return fa.ProcessFailed(p.hardCtx, e.item, e.fail.err)
 		}
 	}
 	return s.cfg.Stage.Process(p.hardCtx, e.item)
@@ -415,20 +516,19 @@ func (p *Pipeline[T]) invoke(s *stage[T], e *envelope[T]) (err error) {
 
 // forward sends e to the first stage at index >= from that should see it,
 // or to the sink when none remains.
-func (p *Pipeline[T]) forward(from int, e *envelope[T]) {
+func (p *Pipeline[T]) forward(w *worker, from int, e envelope[T]) {
 	for i := from; i < len(p.stages); i++ {
 		next := p.stages[i]
-		if e.err != nil && !next.cfg.SeesFailed {
-			next.m.outcome(outcomeSkipped).Inc()
+		if e.fail != nil && !next.cfg.SeesFailed {
+			next.m.skipped.Add(1)
 			continue
 		}
-		if len(next.queue) < cap(next.queue) {
-			// Room (probably): one plain send, one channel lock. If another
-			// sender took the slot first this send waits briefly, unmeasured;
-			// downstream workers keep draining, also after a cancel.
-			next.queue <- e
+		select {
+		case next.queue <- e: // room: one channel operation
 			return
+		default:
 		}
+		p.publish(w, 0) // about to wait
 		t0 := next.m.blocked.begin()
 		select {
 		case next.queue <- e:
@@ -436,33 +536,59 @@ func (p *Pipeline[T]) forward(from int, e *envelope[T]) {
 			return
 		case <-p.hardCtx.Done():
 			next.m.blocked.end(t0)
-			p.cancel(next, e)
+			p.cancel(w, next, e)
 			return
 		}
 	}
-	if e.err != nil {
-		p.end(e, Failed, e.err, e.failedAt)
+	if e.fail != nil {
+		p.end(w, e, Failed, e.fail.err, e.fail.stage)
 	} else {
-		p.end(e, Done, nil, "")
+		p.end(w, e, Done, nil, "")
 	}
 }
 
-func (p *Pipeline[T]) cancel(at *stage[T], e *envelope[T]) {
+func (p *Pipeline[T]) cancel(w *worker, at *stage[T], e envelope[T]) {
 	cause := ErrCanceled
 	var err error = cause
-	if e.err != nil {
-		err = errors.Join(cause, e.err)
+	if e.fail != nil {
+		err = errors.Join(cause, e.fail.err)
 	}
-	p.end(e, Canceled, err, at.cfg.Name)
+	p.end(w, e, Canceled, err, at.cfg.Name)
 }
 
-func (p *Pipeline[T]) end(e *envelope[T], o Outcome, err error, stage string) {
-	defer p.unaccept()
-	p.m.ended(o, since(e.start))
+// end hands e to the sink, then counts it ended.
+func (p *Pipeline[T]) end(w *worker, e envelope[T], o Outcome, err error, stage string) {
+	if e.start != 0 {
+		d := since(e.start)
+		p.m.latencyBy[o].Observe(d.Seconds())
+		if all := d >= latencyAllAbove; all != p.timeAll.Load() {
+			p.timeAll.Store(all)
+		}
+	}
+	p.callSink(Result[T]{Item: e.item, Outcome: o, Err: err, Stage: stage})
+	switch o {
+	case Done:
+		w.ended++
+		if !p.closed.Load() {
+			return // published with the worker's next item or wait
+		}
+		p.publish(w, 0) // Close is waiting for the count
+		return
+	case Failed:
+		p.failed.Add(1)
+	default:
+		p.canceledN.Add(1)
+	}
+	if p.closed.Load() {
+		p.checkDrained()
+	}
+}
+
+func (p *Pipeline[T]) callSink(r Result[T]) {
 	defer func() {
-		if r := recover(); r != nil {
-			p.log.Error("sink panicked", "panic", r, "stack", string(debug.Stack()))
+		if rec := recover(); rec != nil {
+			p.log.Error("sink panicked", "panic", rec, "stack", string(debug.Stack()))
 		}
 	}()
-	p.sink(Result[T]{Item: e.item, Outcome: o, Err: err, Stage: stage})
+	p.sink(r)
 }

@@ -185,13 +185,13 @@ func TestFailureRouting(t *testing.T) {
 	if !strings.Contains(c.results[2][0].Err.Error(), `stage "b" panicked: kaboom`) {
 		t.Errorf("panic not reported: %v", c.results[2][0].Err)
 	}
-	if got := testutil.ToFloat64(p.m.items.WithLabelValues("c", outcomeSkipped)); got != 2 {
+	if got := value(t, reg, "kvflow_stage_items_total", "stage", "c", "outcome", outcomeSkipped); got != 2 {
 		t.Errorf("skipped at c = %v, want 2", got)
 	}
 	if got := testutil.ToFloat64(p.m.panics.WithLabelValues("b")); got != 1 {
 		t.Errorf("panics at b = %v, want 1", got)
 	}
-	if got := testutil.ToFloat64(p.m.results.WithLabelValues("failed")); got != 2 {
+	if got := value(t, reg, "kvflow_pipeline_items_total", "outcome", "failed"); got != 2 {
 		t.Errorf("failed results = %v, want 2", got)
 	}
 }
@@ -295,6 +295,44 @@ func gather(t *testing.T, reg *prometheus.Registry, name string) map[string]floa
 		}
 	}
 	return out
+}
+
+// value is the value of the one gauge or counter named name whose labels
+// include the given name, value pairs.
+func value(t *testing.T, reg *prometheus.Registry, name string, labels ...string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []float64
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	metric:
+		for _, m := range mf.GetMetric() {
+			for i := 0; i < len(labels); i += 2 {
+				found := false
+				for _, l := range m.GetLabel() {
+					found = found || l.GetName() == labels[i] && l.GetValue() == labels[i+1]
+				}
+				if !found {
+					continue metric
+				}
+			}
+			switch {
+			case m.Gauge != nil:
+				out = append(out, m.GetGauge().GetValue())
+			case m.Counter != nil:
+				out = append(out, m.GetCounter().GetValue())
+			}
+		}
+	}
+	if len(out) != 1 {
+		t.Fatalf("%s%v: %d series, want 1", name, labels, len(out))
+	}
+	return out[0]
 }
 
 // TestCloseDeadline: Close drains what it can; at the deadline the stuck
