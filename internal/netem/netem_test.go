@@ -111,6 +111,21 @@ func noLeak(t *testing.T) {
 	})
 }
 
+// relayedEcho starts an echo server in n's prefill namespace, relays its
+// port and dials it from the decode namespace.
+func relayedEcho(t *testing.T, n *Net) (net.Conn, int) {
+	t.Helper()
+	port := echoServer(t, n, n.PrefillNS())
+	if err := n.Relay(port); err != nil {
+		t.Fatal(err)
+	}
+	c, err := n.DialContext(context.Background(), n.DecodeNS(), "tcp", portAddr(port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c, port
+}
+
 func portAddr(p int) string { return net.JoinHostPort("127.0.0.1", strconv.Itoa(p)) }
 
 func TestUserspaceEchoThroughRelay(t *testing.T) {
@@ -214,14 +229,7 @@ func TestUserspaceRTTFloor(t *testing.T) {
 	for _, spec := range []string{"delay 2ms", "delay 3ms 1ms"} {
 		t.Run(spec, func(t *testing.T) {
 			n := setup(t, Options{Spec: spec, Mode: ModeUserspace})
-			port := echoServer(t, n, n.PrefillNS())
-			if err := n.Relay(port); err != nil {
-				t.Fatal(err)
-			}
-			c, err := n.DialContext(context.Background(), n.DecodeNS(), "tcp", portAddr(port))
-			if err != nil {
-				t.Fatal(err)
-			}
+			c, _ := relayedEcho(t, n)
 			defer c.Close()
 			s, _ := n.Spec()
 			floor := s.RTTFloor()
@@ -348,15 +356,8 @@ func TestCloseRemovesEverything(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	port := echoServer(t, n, n.PrefillNS())
-	if err := n.Relay(port); err != nil {
-		t.Fatal(err)
-	}
 	// A connection open through the relay when Close comes.
-	c, err := n.DialContext(context.Background(), n.DecodeNS(), "tcp", portAddr(port))
-	if err != nil {
-		t.Fatal(err)
-	}
+	c, port := relayedEcho(t, n)
 	defer c.Close()
 	pingRTTs(t, c, 1)
 	if err := n.Close(); err != nil {
