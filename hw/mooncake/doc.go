@@ -68,12 +68,17 @@
 // Per peer, Lanes persistent connections, each owned by one goroutine
 // that takes requests from the peer's bounded queue, so the ops of a batch
 // spread over the lanes; ops longer than ChunkSize are split. The queue
-// keeps requests per batch and lanes serve the batches round-robin, one
-// request each in turn, so a small batch is not stuck behind every request
-// of a large one queued before it. READs are pipelined: a lane keeps up to
-// Pipeline (16) requests outstanding, or fewer once they add up to
+// keeps requests per batch and lanes take from the batch with the fewest
+// bytes not yet taken (shortest remaining first, ties to the older), so a
+// small batch is not stuck behind the requests of large ones queued before
+// it and, of several large batches, one finishes early instead of all
+// late; every eighth take serves the oldest batch, so a stream of small
+// batches cannot starve a large one. READs are pipelined: a lane keeps up
+// to Pipeline (64) requests outstanding, or fewer once they add up to
 // PipelineBytes (1 MiB) beyond the first two, sending the next headers
-// while earlier responses stream, and consumes the responses in order
+// while earlier responses stream (it consumes the responses already
+// buffered before it writes new headers, so one write refills many
+// slots), and consumes the responses in order
 // (the target serves a connection's requests one after another,
 // Mooncake's too). kvflow's target reads headers through a buffer and,
 // while more pipelined READ headers are already buffered, gathers the

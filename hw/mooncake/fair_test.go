@@ -14,8 +14,8 @@ import (
 
 // TestSmallBatchNotBehindLarge starts a large read (256 × 1 MiB) and,
 // once it is queued on the peer, a 1-op 64 KiB read on the same session
-// over real loopback sockets. Lanes serve batches round-robin, so the
-// small one must return while most of the large one is still outstanding;
+// over real loopback sockets. Lanes serve the batch with the fewest bytes
+// left first, so the small one must return while most of the large one is still outstanding;
 // with FIFO lanes it would wait for all the large batch's requests queued
 // before it. Only ordering and progress are checked, no timings.
 func TestSmallBatchNotBehindLarge(t *testing.T) {

@@ -39,8 +39,9 @@ type batch struct {
 	errs []error
 
 	// Guarded by the peer's queue lock.
-	tasks  []task // every request of the batch
-	issued int    // tasks[:issued] have been taken by a lane
+	tasks   []task // every request of the batch
+	issued  int    // tasks[:issued] have been taken by a lane
+	untaken uint64 // bytes of tasks[issued:]
 }
 
 func (b *batch) fail(i int, err error) {
@@ -192,26 +193,37 @@ func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode 
 }
 
 // queue is a peer's requests not yet taken by a lane, kept per batch.
-// Lanes take from the batches round-robin, one request at a time, so a
-// small batch submitted behind a large one waits for about one request
-// per lane, not for the whole large batch (no head-of-line blocking).
+//
+// Lanes take from the batch with the fewest bytes not yet taken (shortest
+// remaining first; ties go to the older batch), so a small batch submitted
+// behind large ones waits only for the requests already on the lanes, and
+// of several large batches the one closest to done finishes first instead
+// of all finishing late together. Every agingEvery-th take serves the
+// oldest batch instead, so a stream of small batches slows a large one
+// down but never starves it.
 type queue struct {
 	depth int           // admission bound on queued requests
 	kick  chan struct{} // capacity Lanes: a token wakes one idle lane
 
 	mu     sync.Mutex
-	ring   []*batch      // batches with requests not yet taken, in turn order
-	next   int           // ring index whose batch the next take serves
+	ring   []*batch      // batches with requests not yet taken, oldest first
+	takes  int           // takes so far, for aging
 	queued int           // requests not yet taken, over all of ring
 	room   chan struct{} // closed (and replaced) when queued drops below depth
 }
+
+// agingEvery: one take in agingEvery goes to the oldest batch. 8 gives a
+// large batch at least 1/8 of the requests while small ones keep arriving
+// (about 60% of the bytes with 4 MiB against 256 KiB requests), and small
+// batches wait for at most one of its requests in eight.
+const agingEvery = 8
 
 func newQueue(depth, lanes int) *queue {
 	return &queue{depth: depth, kick: make(chan struct{}, lanes), room: make(chan struct{})}
 }
 
 // add queues all of b's requests; it waits (ctx, done permitting) while
-// depth requests are already queued on the peer. b is served next.
+// depth requests are already queued on the peer.
 func (q *queue) add(ctx context.Context, done <-chan struct{}, b *batch) error {
 	q.mu.Lock()
 	for q.queued >= q.depth {
@@ -226,12 +238,11 @@ func (q *queue) add(ctx context.Context, done <-chan struct{}, b *batch) error {
 		}
 		q.mu.Lock()
 	}
-	if q.next > len(q.ring) {
-		q.next = 0
+	b.untaken = 0
+	for i := range b.tasks {
+		b.untaken += b.tasks[i].length
 	}
-	q.ring = append(q.ring, nil)
-	copy(q.ring[q.next+1:], q.ring[q.next:])
-	q.ring[q.next] = b
+	q.ring = append(q.ring, b)
 	q.queued += len(b.tasks)
 	q.mu.Unlock()
 	// Wake up to one idle lane per request. A token that does not fit
@@ -246,23 +257,28 @@ func (q *queue) add(ctx context.Context, done <-chan struct{}, b *batch) error {
 	return nil
 }
 
-// take returns the next request of the next batch in turn, or nil.
+// take returns the next request (see queue), or nil.
 func (q *queue) take() *task {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	if len(q.ring) == 0 {
 		return nil
 	}
-	if q.next >= len(q.ring) {
-		q.next = 0
+	q.takes++
+	i := 0 // the oldest
+	if q.takes%agingEvery != 0 {
+		for k, b := range q.ring[1:] {
+			if b.untaken < q.ring[i].untaken {
+				i = k + 1
+			}
+		}
 	}
-	b := q.ring[q.next]
+	b := q.ring[i]
 	t := &b.tasks[b.issued]
 	b.issued++
+	b.untaken -= t.length
 	if b.issued == len(b.tasks) {
-		q.removeAt(q.next) // next now names the following batch
-	} else {
-		q.next++
+		q.removeAt(i)
 	}
 	q.dequeued(1)
 	return t
@@ -276,7 +292,7 @@ func (q *queue) withdraw(b *batch) []task {
 	for i, o := range q.ring {
 		if o == b {
 			rest := b.tasks[b.issued:]
-			b.issued = len(b.tasks)
+			b.issued, b.untaken = len(b.tasks), 0
 			q.removeAt(i)
 			q.dequeued(len(rest))
 			return rest
@@ -289,9 +305,6 @@ func (q *queue) removeAt(i int) {
 	copy(q.ring[i:], q.ring[i+1:])
 	q.ring[len(q.ring)-1] = nil
 	q.ring = q.ring[:len(q.ring)-1]
-	if i < q.next {
-		q.next--
-	}
 }
 
 func (q *queue) dequeued(n int) {
@@ -478,6 +491,12 @@ func (l *lane) run() {
 		}
 		if len(l.win) > 0 {
 			l.receive()
+			// Responses already buffered are consumed before the window
+			// is refilled (down to half of it), so one header write
+			// refills many slots instead of one write per response.
+			for len(l.win) > depth/2 && l.br.Buffered() > 0 {
+				l.receive()
+			}
 			continue
 		}
 		if held != nil {

@@ -682,7 +682,7 @@ func TestRegisterFlagsDefaultsAreCurrentValues(t *testing.T) {
 	c.RegisterFlags(fs)
 	for name, want := range map[string]string{
 		"role": "kv_consumer", "kv-port": "20101", "engine-id": "decode-0", "decode-tp": "2", "prefill-tp": "4",
-		"abort-timeout": "8m0s", "metrics-addr": "127.0.0.1:0", "cache": "anonymous", "read-workers": "8",
+		"abort-timeout": "8m0s", "metrics-addr": "127.0.0.1:0", "cache": "anonymous", "read-workers": "32",
 		"lease-ttl": "10s",
 	} {
 		f := fs.Lookup(name)

@@ -28,12 +28,17 @@ type ClientOptions struct {
 	// long enough for ZMQ's 100 ms reconnect interval to act.
 	RetryBackoff time.Duration
 	// MaxConnsPerPeer bounds concurrent requests (sockets) to one peer;
-	// further callers wait (ctx-aware) for a free socket. 8: a decode worker
-	// sends a handful of DONEs per request to each prefill rank; more would
-	// only queue at the peer's single-threaded ROUTER.
+	// further callers wait (ctx-aware) for a free socket. 16: the decode
+	// pipeline's notify workers (16) each hold one DONE in flight, and over
+	// a WAN round trip those waits, not the peer's ROUTER, are what bound
+	// DONEs per second.
 	MaxConnsPerPeer int
 	// MaxIdlePerPeer is how many sockets per peer are kept for reuse (a new
-	// REQ socket costs ~0.5 ms on loopback). 2.
+	// REQ socket costs ~0.5 ms on loopback). 16, as MaxConnsPerPeer: with
+	// fewer, every burst of concurrent DONEs beyond it closes sockets and
+	// makes new ones on the next burst (measured: notify p50 1-10 ms on
+	// loopback with 2); IdleTimeout sheds them once traffic stops. Zero
+	// means MaxConnsPerPeer.
 	MaxIdlePerPeer int
 	// IdleTimeout closes sockets unused this long, so dead peers' sockets do
 	// not reconnect forever. 2 min: longer than the gap between requests
@@ -59,8 +64,8 @@ func DefaultClientOptions() ClientOptions {
 		AttemptTimeout:  time.Second,
 		Attempts:        3,
 		RetryBackoff:    100 * time.Millisecond,
-		MaxConnsPerPeer: 8,
-		MaxIdlePerPeer:  2,
+		MaxConnsPerPeer: 16,
+		MaxIdlePerPeer:  16, // 0 in ClientOptions: MaxConnsPerPeer
 		IdleTimeout:     2 * time.Minute,
 		MaxReplyBytes:   16 << 20,
 	}
@@ -81,7 +86,7 @@ func (o ClientOptions) withDefaults() ClientOptions {
 		o.MaxConnsPerPeer = d.MaxConnsPerPeer
 	}
 	if o.MaxIdlePerPeer == 0 {
-		o.MaxIdlePerPeer = d.MaxIdlePerPeer
+		o.MaxIdlePerPeer = o.MaxConnsPerPeer
 	}
 	if o.IdleTimeout == 0 {
 		o.IdleTimeout = d.IdleTimeout
