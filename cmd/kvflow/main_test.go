@@ -5,7 +5,9 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -124,6 +126,7 @@ func TestServeSIGTERM(t *testing.T) {
 	cfg.Cache.NoHugePages = true
 	cfg.Handshake.Timeout, cfg.Handshake.Attempts = config.Duration(20*time.Second), 1
 	cfg.Shutdown.DrainTimeout = config.Duration(time.Second)
+	cfg.Node.Pprof = true
 	cfgPath := filepath.Join(dir, "d.json")
 	f, _ := os.Create(cfgPath)
 	cfg.Print(f)
@@ -150,6 +153,7 @@ func TestServeSIGTERM(t *testing.T) {
 		if !strings.HasPrefix(line, "kvflow ready") {
 			t.Fatalf("first line %q", line)
 		}
+		checkHTTP(t, line)
 	case <-time.After(20 * time.Second):
 		cmd.Process.Kill()
 		t.Fatalf("not ready: %s", stderr.String())
@@ -211,6 +215,34 @@ func TestServeSIGTERM(t *testing.T) {
 		t.Fatal("no exit after SIGTERM")
 	}
 	t.Logf("all 5 requests failed and collected, exit 0 after %v", time.Since(start))
+}
+
+// checkHTTP fetches the worker's HTTP endpoints named by its ready line
+// (metrics=host:port): /healthz, /readyz, /metrics and, with node.pprof,
+// the profiler's index.
+func checkHTTP(t *testing.T, ready string) {
+	t.Helper()
+	_, addr, ok := strings.Cut(ready, "metrics=")
+	if !ok {
+		t.Fatalf("ready line %q names no metrics address", ready)
+	}
+	addr = strings.Fields(addr)[0]
+	for path, want := range map[string]string{
+		"/healthz":      "ok",
+		"/readyz":       "ready",
+		"/metrics":      "kvflow_stage_queue_capacity",
+		"/debug/pprof/": "goroutine",
+	} {
+		resp, err := http.Get("http://" + addr + path)
+		if err != nil {
+			t.Fatalf("GET %s: %v", path, err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || !strings.Contains(string(body), want) {
+			t.Errorf("GET %s: %s, body without %q", path, resp.Status, want)
+		}
+	}
 }
 
 type lockedBuffer struct {

@@ -176,6 +176,11 @@ type Node struct {
 	// MetricsAddr is host:port of /metrics, /healthz and /readyz; "" turns
 	// the HTTP endpoint off.
 	MetricsAddr string `json:"metrics_addr"`
+	// Pprof also serves Go's profiler under /debug/pprof/ on MetricsAddr
+	// (CPU and heap profiles of a live worker). Off by default: profiles
+	// reveal internals and a CPU profile costs a few percent while it
+	// runs.
+	Pprof bool `json:"pprof"`
 }
 
 // Pipeline sizes the decode pipeline.

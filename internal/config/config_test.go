@@ -379,6 +379,7 @@ func TestValidate(t *testing.T) {
 			[]string{"node.control: socket path \"/tmp/kvflow-eeee"}},
 		{"metrics addr", Decode, func(c *Config) { c.Node.MetricsAddr = "9100" }, []string{`node.metrics_addr: want host:port`}},
 		{"metrics off", Decode, func(c *Config) { c.Node.MetricsAddr = "" }, nil},
+		{"pprof without metrics", Decode, func(c *Config) { c.Node.MetricsAddr, c.Node.Pprof = "", true }, []string{"node.pprof: needs node.metrics_addr"}},
 		{"pools and queues", Decode, func(c *Config) {
 			c.Pipeline.Workers.Read, c.Pipeline.Queues.Notify = 0, -1
 		}, []string{"pipeline.workers.read: must be >= 1, got 0", "pipeline.queues.notify: must be >= 1, got -1"}},

@@ -64,6 +64,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.IntVar(&n.TEPort, "te-port", n.TEPort, "transfer engine RPC port, 0 = any free (node.te_port)")
 	fs.StringVar(&n.Control, "control", n.Control, "control socket endpoint; empty derives ipc:///tmp/kvflow-... (node.control)")
 	fs.StringVar(&n.MetricsAddr, "metrics-addr", n.MetricsAddr, "host:port of /metrics, /healthz, /readyz; empty = off (node.metrics_addr)")
+	fs.BoolVar(&n.Pprof, "pprof", n.Pprof, "also serve /debug/pprof/ on the metrics address (node.pprof)")
 
 	for _, s := range []struct {
 		kind  string

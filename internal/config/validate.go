@@ -223,6 +223,8 @@ func (c Config) validateNode(v *validator) {
 		} else if p, err := strconv.Atoi(port); err != nil || p < 0 || p > 65535 {
 			v.add("node.metrics_addr", "port of %q must be in 0..65535", n.MetricsAddr)
 		}
+	} else if n.Pprof {
+		v.add("node.pprof", "needs node.metrics_addr (the profiler is served there)")
 	}
 }
 
