@@ -101,8 +101,12 @@ func sleep(ctx context.Context, d time.Duration) error {
 	}
 }
 
-// Transfer wraps t.
+// Transfer wraps t. The wrapper takes compact reads and has a ledger
+// (read.ReadsLedgerTransfer) whatever t takes.
 func (in *Injector) Transfer(t read.Transfer) read.Transfer { return transfer{in, t} }
+
+var _ read.ReadsLedgerTransfer = transfer{}
+var _ read.LedgerTransfer = transfer{}
 
 // Fetcher wraps f.
 func (in *Injector) Fetcher(f handshake.Fetcher) handshake.Fetcher { return fetcher{in, f} }
@@ -115,13 +119,45 @@ type transfer struct {
 	t  read.Transfer
 }
 
+// batch is the reads of one call: a task's compact reads (r) or a plain op
+// list (ops).
+type batch struct {
+	r   *plan.Reads
+	ops []plan.Op
+}
+
+func (b batch) len() int {
+	if b.r != nil {
+		return b.r.Len()
+	}
+	return len(b.ops)
+}
+
+func (b batch) at(i int) plan.Op {
+	if b.r != nil {
+		return b.r.At(i)
+	}
+	return b.ops[i]
+}
+
+// prefix is the first n ops, as a list (expanding compact reads: only the
+// truncating faults need it).
+func (b batch) prefix(n int) batch {
+	if b.r != nil {
+		return batch{ops: b.r.AppendTo(nil)[:n]}
+	}
+	return batch{ops: b.ops[:n]}
+}
+
 // readKey names a batch by its session and where its first and last ops
-// land: the same request's batch has the same key on every run.
-func readKey(session string, ops []plan.Op) uint64 {
+// land: the same request's batch has the same key on every run, compact or
+// not.
+func readKey(session string, b batch) uint64 {
 	h := hashString(0, session)
-	h = mix(h ^ uint64(len(ops)))
-	if len(ops) > 0 {
-		f, l := ops[0], ops[len(ops)-1]
+	n := b.len()
+	h = mix(h ^ uint64(n))
+	if n > 0 {
+		f, l := b.at(0), b.at(n-1)
 		h = mix(h ^ f.Local)
 		h = mix(h ^ f.Remote)
 		h = mix(h ^ l.Local)
@@ -132,7 +168,7 @@ func readKey(session string, ops []plan.Op) uint64 {
 
 // BatchRead runs ops under the schedule.
 func (t transfer) BatchRead(ctx context.Context, session string, ops []plan.Op) error {
-	return t.BatchReadLedger(ctx, session, ops, nil)
+	return t.apply(ctx, session, batch{ops: ops}, nil)
 }
 
 // BatchReadLedger runs ops under the schedule and, when landed is not nil,
@@ -141,25 +177,30 @@ func (t transfer) BatchRead(ctx context.Context, session string, ops []plan.Op) 
 // skipped ops show 0 bytes landed). The inner transfer's own ledger is used
 // when it has one.
 func (t transfer) BatchReadLedger(ctx context.Context, session string, ops []plan.Op, landed []uint64) error {
-	run := func(ops []plan.Op, landed []uint64) error {
-		if lt, ok := t.t.(read.LedgerTransfer); ok && landed != nil {
-			return lt.BatchReadLedger(ctx, session, ops, landed)
-		}
-		err := t.t.BatchRead(ctx, session, ops)
-		if err == nil && landed != nil {
-			for i, op := range ops {
-				landed[i] = op.Len
-			}
-		}
-		return err
-	}
+	return t.apply(ctx, session, batch{ops: ops}, landed)
+}
+
+// BatchReads is BatchRead for compact reads: they reach the inner
+// transfer still compact when it takes them (read.ReadsTransfer) and the
+// fault leaves the batch whole.
+func (t transfer) BatchReads(ctx context.Context, session string, r *plan.Reads) error {
+	return t.apply(ctx, session, batch{r: r}, nil)
+}
+
+// BatchReadsLedger is BatchReadLedger for compact reads.
+func (t transfer) BatchReadsLedger(ctx context.Context, session string, r *plan.Reads, landed []uint64) error {
+	return t.apply(ctx, session, batch{r: r}, landed)
+}
+
+func (t transfer) apply(ctx context.Context, session string, b batch, landed []uint64) error {
 	sub := func(n int) []uint64 {
 		if landed == nil {
 			return nil
 		}
 		return landed[:n]
 	}
-	d := t.in.decide(Read, readKey(session, ops), len(ops))
+	n := b.len()
+	d := t.in.decide(Read, readKey(session, b), n)
 	switch d.Kind {
 	case Fail:
 		return injected(Read, Fail, session)
@@ -169,20 +210,61 @@ func (t transfer) BatchReadLedger(ctx context.Context, session string, ops []pla
 		}
 	case Truncate, ShortRead:
 		if d.Keep > 0 {
-			if err := run(ops[:d.Keep], sub(d.Keep)); err != nil {
+			if err := t.run(ctx, session, b.prefix(d.Keep), sub(d.Keep)); err != nil {
 				return err
 			}
 		}
 		if d.Kind == ShortRead {
 			return nil // the silent partial transfer
 		}
-		return injected(Read, Truncate, fmt.Sprintf("%s: %d of %d ops run", session, d.Keep, len(ops)))
+		return injected(Read, Truncate, fmt.Sprintf("%s: %d of %d ops run", session, d.Keep, n))
 	case Duplicate:
-		if err := run(ops, sub(len(ops))); err != nil {
+		if err := t.run(ctx, session, b, sub(n)); err != nil {
 			return err
 		}
 	}
-	return run(ops, sub(len(ops)))
+	return t.run(ctx, session, b, sub(n))
+}
+
+// run hands b to the inner transfer in the richest form it takes: compact
+// reads stay compact for a read.ReadsTransfer and are expanded otherwise;
+// landed (when not nil) comes from the inner ledger, or is every op's
+// length when a ledger-less inner transfer succeeds.
+func (t transfer) run(ctx context.Context, session string, b batch, landed []uint64) error {
+	if b.r != nil {
+		switch in := t.t.(type) {
+		case read.ReadsLedgerTransfer:
+			if landed != nil {
+				return in.BatchReadsLedger(ctx, session, b.r, landed)
+			}
+			return in.BatchReads(ctx, session, b.r)
+		case read.ReadsTransfer:
+			err := in.BatchReads(ctx, session, b.r)
+			if err == nil && landed != nil {
+				i := 0
+				for k := range b.r.Tensors() {
+					tr := b.r.Tensor(k)
+					for j := range b.r.Runs() {
+						landed[i] = tr.Len * uint64(b.r.Run(j).Blocks)
+						i++
+					}
+				}
+			}
+			return err
+		}
+		b = batch{ops: b.r.AppendTo(nil)}
+	}
+	ops := b.ops
+	if lt, ok := t.t.(read.LedgerTransfer); ok && landed != nil {
+		return lt.BatchReadLedger(ctx, session, ops, landed)
+	}
+	err := t.t.BatchRead(ctx, session, ops)
+	if err == nil && landed != nil {
+		for i, op := range ops {
+			landed[i] = op.Len
+		}
+	}
+	return err
 }
 
 type fetcher struct {

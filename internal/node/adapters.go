@@ -2,6 +2,7 @@ package node
 
 import (
 	"context"
+	"slices"
 
 	"github.com/kvflow/kvflow/hw/mooncake"
 	"github.com/kvflow/kvflow/hw/npu"
@@ -31,12 +32,56 @@ func (f fetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, error)
 
 type transfer struct{ e mooncake.Engine }
 
+// BatchRead converts ops to the engine's op type. The read stage does not
+// use it: it hands the compact reads to BatchReads.
 func (t transfer) BatchRead(ctx context.Context, session string, ops []plan.Op) error {
 	mops := make([]mooncake.Op, len(ops))
 	for i, op := range ops {
 		mops[i] = mooncake.Op{Local: op.Local, Remote: op.Remote, Length: op.Len}
 	}
 	return t.e.BatchRead(ctx, session, mops)
+}
+
+// BatchReads expands a task's compact reads once, straight into the
+// engine's op list (read.ReadsTransfer): the only place the read stage's
+// ops are materialised. The list is new for every batch, since a failed
+// batch's *mooncake.BatchError keeps it.
+func (t transfer) BatchReads(ctx context.Context, session string, r *plan.Reads) error {
+	return t.e.BatchRead(ctx, session, appendEngineOps(make([]mooncake.Op, 0, r.Len()), r))
+}
+
+// appendEngineOps appends r's ops to dst as mooncake ops, in r's order
+// (tensor-major, as plan.AppendOps). Like Reads.AppendTo it computes the
+// first tensor of each part from the runs and every later tensor as that
+// one's ops shifted by the two base-address differences (a copy and two
+// adds per op, from ops just written and still in cache).
+func appendEngineOps(dst []mooncake.Op, r *plan.Reads) []mooncake.Op {
+	runs, tensors := r.Runs(), r.Tensors()
+	dst = slices.Grow(dst, r.Len())
+	n0 := len(dst)
+	dst = dst[:n0+r.Len()]
+	out := dst[n0:]
+	parts := min(r.Parts(), tensors)
+	for k := range parts {
+		tr := r.Tensor(k)
+		o := out[k*runs : (k+1)*runs]
+		for j := range o {
+			op := tr.Op(r.Run(j))
+			o[j] = mooncake.Op{Local: op.Local, Remote: op.Remote, Length: op.Len}
+		}
+	}
+	for k := parts; k < tensors; k++ {
+		q := k % parts
+		tk, tq := r.Tensor(k), r.Tensor(q)
+		dl, dr := tk.Local-tq.Local, tk.Remote-tq.Remote
+		src := out[q*runs : (q+1)*runs]
+		o := out[k*runs : (k+1)*runs]
+		o = o[:len(src)]
+		for j, op := range src {
+			o[j] = mooncake.Op{Local: op.Local + dl, Remote: op.Remote + dr, Length: op.Length}
+		}
+	}
+	return dst
 }
 
 // CacheLayout is the planner's view of a device layout.

@@ -26,6 +26,7 @@
 //
 //	(Topology).Validate() error                       // every problem of the P/D configuration
 //	PlanRequest(topo, self Rank, req Request) (Plan, error)
+//	(*Reads).Build(layout CacheLayout, t Task, local, remote Caches) error
 //	AppendOps(dst []Op, layout CacheLayout, t Task, local, remote Caches) ([]Op, error)
 //	PrefillExpectedDones(topo, self Rank, reqID string, numBlocks int) (int, error)
 //	PrefillMustWait(topo, self Rank, reqID string, numBlocks int) (bool, error)
@@ -47,6 +48,30 @@
 //	Local  = local.Base[k]  + local_block*L + HeadSlot*inner
 //	Remote = remote.Base[k] + remote_block*inner
 //	Len    = inner * run_length
+//
+// # Compact reads and where the ops are written
+//
+// A task's op list is a product: every cache tensor reads every block run
+// (one op per block with P > 1), so a GQA task with P = 4, 64 layers and
+// 128 blocks is 16,384 ops (384 KiB) that differ only by strides. Reads is
+// that product in compact form: per tensor its bases, strides and length
+// per block (Tensor(k), a TensorReads), and the task's block runs (Run(j),
+// a BlockRun), with op i = Tensor(i / Runs()).Op(Run(i % Runs())) in
+// AppendOps' (tensor-major) order. Reads.Build does all of AppendOps'
+// validation and the grouping in O(blocks), writes no op, reuses its run
+// storage (no allocation once warm) and aliases the task's block lists and
+// the base-address lists; Len, Bytes and At(i) are O(1). AppendOps is
+// Build followed by AppendTo, which writes the first tensor of each part
+// from the runs and every later one as a copy shifted by the base-address
+// differences.
+//
+// Planning a request therefore ends with compact Reads: the read stage
+// (stages/read) builds one per task, counts bytes from it and hands it to
+// the transfer, whose adapter (internal/node) expands it once, straight
+// into the engine's own op list (the engine needs that list anyway). No
+// []Op is built on the request path. bench.BenchmarkPlan measures both
+// halves: planning (PlanRequest + Build, ~1-2 µs for the GQA P = 4 request)
+// and the expansion.
 //
 // The building blocks are exported for the other stages and the vectors:
 // StringToInt64Hash, (Topology).RemoteRanksForReq / RemoteRanks /
@@ -117,7 +142,7 @@
 //     reject it. Rule: split mode and remote_dcp/dcp > prefill TP.
 //
 // Further strictness that never changes a seed answer the vectors show:
-// AppendOps rejects local tensor lists shorter than the task's layers, local
+// AppendOps (Reads.Build) rejects local tensor lists shorter than the task's layers, local
 // and remote tensor counts that differ (the seed's zip truncates), block ids
 // outside the caches and block lengths not divisible by P; GroupContiguous
 // rejects lists of unequal length. Failures after planning (transfer errors,

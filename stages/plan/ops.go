@@ -115,108 +115,17 @@ func OpCount(t Task, layout CacheLayout) int {
 // A task without local blocks (full prefix hit) produces no op. Unlike the
 // seed, mismatched tensor counts, blocks out of range and block lengths not
 // divisible by P are errors, never silent truncation.
+//
+// AppendOps is Reads.Build followed by Reads.AppendTo; consumers that hand
+// the ops to a transfer engine use the compact Reads instead and expand it
+// once into the engine's own op list.
 func AppendOps(dst []Op, layout CacheLayout, t Task, local, remote Caches) ([]Op, error) {
-	nl, nr := len(t.LocalBlockIDs), len(t.RemoteBlockIDs)
-	if nl == 0 {
-		return dst, nil
-	}
-	if nl > nr {
-		return dst, fmt.Errorf("ops: %d local blocks, only %d remote blocks", nl, nr)
-	}
-	if err := layout.Validate(); err != nil {
+	var small [16]BlockRun // P == 1 runs: no allocation for up to 16 runs
+	r := Reads{runs: small[:0]}
+	if err := r.Build(layout, t, local, remote); err != nil {
 		return dst, err
 	}
-	if t.P < 1 || t.HeadSlot < 0 || t.HeadSlot >= t.P {
-		return dst, fmt.Errorf("ops: task.head_slot %d outside [0, tp_num_need_pulls %d)", t.HeadSlot, t.P)
-	}
-	if t.LayerStart < 0 || t.LayerEnd < t.LayerStart {
-		return dst, fmt.Errorf("ops: task layers [%d, %d) invalid", t.LayerStart, t.LayerEnd)
-	}
-	cpl := layout.CachesPerLayer
-	first, end := t.LayerStart*cpl, t.LayerEnd*cpl
-	if end > len(local.Base) {
-		return dst, fmt.Errorf("ops: layers [%d, %d) need local tensors up to %d, have %d", t.LayerStart, t.LayerEnd, end, len(local.Base))
-	}
-	lbase := local.Base[first:end]
-	if len(remote.Base) != len(lbase) {
-		return dst, fmt.Errorf("ops: %d local tensors for layers [%d, %d), remote has %d", len(lbase), t.LayerStart, t.LayerEnd, len(remote.Base))
-	}
-	rem := t.RemoteBlockIDs[nr-nl:]
-	for i := 0; i < nl; i++ {
-		lb, rb := t.LocalBlockIDs[i], rem[i]
-		if lb < 0 || rb < 0 {
-			return dst, fmt.Errorf("ops: negative block id (local %d, remote %d)", lb, rb)
-		}
-		if local.NumBlocks > 0 && lb >= local.NumBlocks {
-			return dst, fmt.Errorf("ops: local block %d outside [0, %d)", lb, local.NumBlocks)
-		}
-		if remote.NumBlocks > 0 && rb >= remote.NumBlocks {
-			return dst, fmt.Errorf("ops: remote block %d outside [0, %d)", rb, remote.NumBlocks)
-		}
-	}
-	p := uint64(t.P)
-	for _, b := range layout.BlockLen {
-		if b%p != 0 {
-			return dst, fmt.Errorf("ops: block_len %d not divisible by tp_num_need_pulls %d", b, t.P)
-		}
-	}
-	loc := t.LocalBlockIDs
-	groups := nl // ops per tensor: one per block, or one per contiguous run when P == 1
-	if t.P == 1 {
-		groups = 1
-		for i := 1; i < nl; i++ {
-			if loc[i]-loc[i-1] != 1 || rem[i]-rem[i-1] != 1 {
-				groups++
-			}
-		}
-	}
-	need := groups * len(lbase) // == OpCount(t, layout)
-	if cap(dst)-len(dst) < need {
-		grown := make([]Op, len(dst), len(dst)+need)
-		copy(grown, dst)
-		dst = grown
-	}
-	n0 := len(dst)
-	dst = dst[:n0+need]
-	out := dst[n0:]
-	rbase := remote.Base[:len(lbase)]
-	// Tensor k uses part q = k % len(BlockLen) (blockLen(k)). The first
-	// tensor of each part is computed in full; every later tensor of that
-	// part has the same ops shifted by its base addresses' difference from
-	// the first one's, so it is a copy plus two adds per op. uint64
-	// arithmetic wraps, so (b_q + x) + (b_k - b_q) == b_k + x exactly: the
-	// ops are the ones the direct formula gives.
-	parts := len(layout.BlockLen)
-	slot := uint64(t.HeadSlot)
-	for k := 0; k < parts && k < len(lbase); k++ {
-		bl := layout.BlockLen[k] // == layout.blockLen(k) for k < parts
-		o := out[k*groups : (k+1)*groups]
-		if t.P > 1 {
-			inner := bl / p
-			lb0, rb0 := lbase[k]+slot*inner, rbase[k]
-			o = o[:len(loc)]
-			rem := rem[:len(loc)]
-			for i, b := range loc {
-				o[i] = Op{Local: lb0 + uint64(b)*bl, Remote: rb0 + uint64(rem[i])*inner, Len: inner}
-			}
-			continue
-		}
-		// P == 1: one op per contiguous run of local and remote blocks.
-		lb0, rb0 := lbase[k], rbase[k]
-		j, s := 0, 0
-		for i := 1; i <= nl; i++ {
-			if i == nl || loc[i]-loc[i-1] != 1 || rem[i]-rem[i-1] != 1 {
-				o[j] = Op{Local: lb0 + uint64(loc[s])*bl, Remote: rb0 + uint64(rem[s])*bl, Len: bl * uint64(i-s)}
-				j++
-				s = i
-			}
-		}
-	}
-	for k := parts; k < len(lbase); k++ {
-		q := k % parts
-		shiftOps(out[k*groups:(k+1)*groups], out[q*groups:(q+1)*groups], lbase[k]-lbase[q], rbase[k]-rbase[q])
-	}
-	return dst, nil
+	return r.AppendTo(dst), nil
 }
 
 // shiftOps sets dst[i] to src[i] with dl added to Local and dr to Remote.

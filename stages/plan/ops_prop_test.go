@@ -96,58 +96,67 @@ func TestAppendOpsMatchesReferenceRandomTasks(t *testing.T) {
 	}
 	nops := 0
 	for it := range iters {
-		ps := []int{1, 1, 2, 4, 8, 3}
-		p := ps[r.IntN(len(ps))]
-		parts := 1 + r.IntN(3)
-		cpl := []int{2, 2, 3, 1}[r.IntN(4)]
-		if parts == 3 {
-			cpl = 3
-		}
-		layout := CacheLayout{CachesPerLayer: cpl}
-		for range parts {
-			unit := uint64(p)
-			if r.IntN(20) == 0 {
-				unit = 1 // usually not divisible by P: an error for P > 1
-			}
-			layout.BlockLen = append(layout.BlockLen, unit*uint64(1+r.IntN(1<<14)))
-		}
-		layers := 1 + r.IntN(8)
-		ls := r.IntN(layers)
-		le := ls + r.IntN(layers-ls+1)
-		nr := r.IntN(40)
-		nl := nr
-		if nr > 0 && r.IntN(3) == 0 {
-			nl = r.IntN(nr + 1) // local prefix hit
-		}
-		task := Task{
-			P: p, HeadSlot: r.IntN(p), LayerStart: ls, LayerEnd: le,
-			LocalBlockIDs:  randBlocks(r, nl, r.IntN(1000), 1+r.IntN(20)),
-			RemoteBlockIDs: randBlocks(r, nr, r.IntN(1000), 1+r.IntN(20)),
-		}
-		local := Caches{Base: randBases(r, layers*cpl, it%2 == 0)}
-		remote := Caches{Base: randBases(r, (le-ls)*cpl, it%2 == 0)}
-		if r.IntN(2) == 0 {
-			local.NumBlocks, remote.NumBlocks = 2100, 2100
-		}
-		switch r.IntN(40) { // occasional invalid input
-		case 0:
-			local.NumBlocks = 1 + r.IntN(1000)
-		case 1:
-			remote.Base = remote.Base[:len(remote.Base)/2]
-		case 2:
-			task.HeadSlot = p
-		case 3:
-			if nl > 0 {
-				task.LocalBlockIDs[r.IntN(nl)] = -1
-			}
-		case 4:
-			task.LayerEnd = layers + 1
-		case 5:
-			layout.BlockLen = append(layout.BlockLen, 0)
-		}
+		layout, task, local, remote := randOpsInput(r, it)
 		nops += compareOps(t, r, layout, task, local, remote)
 	}
 	t.Logf("%d tasks, %d ops compared", iters, nops)
+}
+
+// randOpsInput is one random task with its layout and caches for the
+// reference comparisons: any P and head slot, 1-3 block parts, 1-3 caches
+// per layer, layer slices, prefix hits, runs and breaks, wrapping addresses
+// (even it), and now and then an invalid input.
+func randOpsInput(r *rand.Rand, it int) (CacheLayout, Task, Caches, Caches) {
+	ps := []int{1, 1, 2, 4, 8, 3}
+	p := ps[r.IntN(len(ps))]
+	parts := 1 + r.IntN(3)
+	cpl := []int{2, 2, 3, 1}[r.IntN(4)]
+	if parts == 3 {
+		cpl = 3
+	}
+	layout := CacheLayout{CachesPerLayer: cpl}
+	for range parts {
+		unit := uint64(p)
+		if r.IntN(20) == 0 {
+			unit = 1 // usually not divisible by P: an error for P > 1
+		}
+		layout.BlockLen = append(layout.BlockLen, unit*uint64(1+r.IntN(1<<14)))
+	}
+	layers := 1 + r.IntN(8)
+	ls := r.IntN(layers)
+	le := ls + r.IntN(layers-ls+1)
+	nr := r.IntN(40)
+	nl := nr
+	if nr > 0 && r.IntN(3) == 0 {
+		nl = r.IntN(nr + 1) // local prefix hit
+	}
+	task := Task{
+		P: p, HeadSlot: r.IntN(p), LayerStart: ls, LayerEnd: le,
+		LocalBlockIDs:  randBlocks(r, nl, r.IntN(1000), 1+r.IntN(20)),
+		RemoteBlockIDs: randBlocks(r, nr, r.IntN(1000), 1+r.IntN(20)),
+	}
+	local := Caches{Base: randBases(r, layers*cpl, it%2 == 0)}
+	remote := Caches{Base: randBases(r, (le-ls)*cpl, it%2 == 0)}
+	if r.IntN(2) == 0 {
+		local.NumBlocks, remote.NumBlocks = 2100, 2100
+	}
+	switch r.IntN(40) { // occasional invalid input
+	case 0:
+		local.NumBlocks = 1 + r.IntN(1000)
+	case 1:
+		remote.Base = remote.Base[:len(remote.Base)/2]
+	case 2:
+		task.HeadSlot = p
+	case 3:
+		if nl > 0 {
+			task.LocalBlockIDs[r.IntN(nl)] = -1
+		}
+	case 4:
+		task.LayerEnd = layers + 1
+	case 5:
+		layout.BlockLen = append(layout.BlockLen, 0)
+	}
+	return layout, task, local, remote
 }
 
 // TestAppendOpsMatchesReferenceRandomPlans compares AppendOps with the

@@ -27,7 +27,8 @@ type Request struct {
 //
 // LocalBlockIDs and RemoteBlockIDs alias the Request's slices (no copy).
 // RemoteBlockIDs is the list as the seed queues it; the trim to the last
-// len(LocalBlockIDs) blocks (local prefix hit) happens in AppendOps.
+// len(LocalBlockIDs) blocks (local prefix hit) happens in Reads.Build
+// (AppendOps).
 type Task struct {
 	RemoteRank     int // HandshakePort - RemotePort: tp + (pp + pcp)*prefill_tp of the prefill worker
 	HandshakePort  int

@@ -3,6 +3,16 @@
 // seed-exact arithmetic) and runs them through a transfer engine, one batch
 // per task, the tasks of one job concurrently.
 //
+// The triples travel compact: per task the stage builds a plan.Reads (the
+// task's tensors times its block runs; validated, O(blocks), pooled), takes
+// the batch's bytes and op count from it, and hands it to the transfer. A
+// ReadsTransfer (internal/node's adapter of hw/mooncake) expands it once,
+// straight into its engine's own op list; the stage writes a []plan.Op
+// itself (Reads.AppendTo) only for a transfer that takes op lists
+// (Transfer, LedgerTransfer). A GQA request with
+// tp_num_need_pulls 4, 64 layers and 128 blocks is 65,536 ops (1.5 MiB),
+// so that list is written once, where the engine needs it, never twice.
+//
 // A per-session limit (the remote prefill rank's transfer-engine endpoint)
 // bounds how many batches run against one peer, so one slow prefill rank
 // cannot take every worker: jobs for other peers keep moving. A failed read
@@ -10,8 +20,9 @@
 // addresses) so the next job re-fetches it.
 //
 // Byte ledger: when the transfer also reports the bytes that landed per op
-// (LedgerTransfer), the stage reconciles them with the manifest it posted;
-// any op short of its length fails the job (ErrShortfall), even when the
+// (ReadsLedgerTransfer or LedgerTransfer), the stage reconciles them with
+// the manifest it posted; any op short of its length fails the job
+// (ErrShortfall, naming the first short op's addresses), even when the
 // batch said it succeeded. The TCP engine's batches are all-or-nothing, so
 // its adapter needs no ledger; engines that report transferred bytes per
 // task (Mooncake's C API) plug in here.

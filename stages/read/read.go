@@ -32,6 +32,26 @@ type LedgerTransfer interface {
 	BatchReadLedger(ctx context.Context, session string, ops []plan.Op, landed []uint64) error
 }
 
+// ReadsTransfer is a Transfer that takes a task's reads in compact form
+// (plan.Reads) and expands them itself, once, straight into its engine's
+// own op list, so that no []plan.Op is built and then copied. The stage
+// prefers it to BatchRead. r, and the lists it aliases, are valid only
+// during the call: keep nothing of it.
+type ReadsTransfer interface {
+	Transfer
+	// BatchReads is BatchRead of r's ops (r.AppendTo(nil)).
+	BatchReads(ctx context.Context, session string, r *plan.Reads) error
+}
+
+// ReadsLedgerTransfer is LedgerTransfer for compact reads. The stage
+// prefers it to every other form.
+type ReadsLedgerTransfer interface {
+	ReadsTransfer
+	// BatchReadsLedger is BatchReadLedger of r's ops: landed[i], i <
+	// r.Len(), is set to the bytes of op i (r.At(i)) that landed.
+	BatchReadsLedger(ctx context.Context, session string, r *plan.Reads, landed []uint64) error
+}
+
 // ErrShortfall marks a batch whose ledger shows fewer bytes than posted.
 var ErrShortfall = errors.New("read: byte ledger shortfall")
 
@@ -128,11 +148,18 @@ func (s *Stage) Process(ctx context.Context, j *job.Job) error {
 	return g.Wait()
 }
 
+// readsPool holds the per-task compact reads (their run storage is reused).
+var readsPool = sync.Pool{New: func() any { return new(plan.Reads) }}
+
 func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 	t := j.Plan.Tasks[i]
 	m := j.Metas[i]
-	ops, err := plan.Ops(s.opts.Layout, t, s.opts.Local, plan.Caches{Base: m.BaseAddrs, NumBlocks: m.NumBlocks})
-	if err != nil {
+	rd := readsPool.Get().(*plan.Reads)
+	defer func() {
+		rd.Reset() // drop the references to the job's lists
+		readsPool.Put(rd)
+	}()
+	if err := rd.Build(s.opts.Layout, t, s.opts.Local, plan.Caches{Base: m.BaseAddrs, NumBlocks: m.NumBlocks}); err != nil {
 		// The remote metadata may be what is wrong (a restarted peer with
 		// fewer blocks or other caches): drop it so the next job re-fetches
 		// instead of failing on the cached copy for ever.
@@ -141,7 +168,8 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 		}
 		return fmt.Errorf("read task %d (rank %d): %w", i, t.RemoteRank, err)
 	}
-	if len(ops) == 0 {
+	nops := rd.Len()
+	if nops == 0 {
 		return nil
 	}
 	session := j.Session(i)
@@ -150,10 +178,7 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 		ctx, cancel = context.WithTimeoutCause(ctx, s.opts.Timeout, fmt.Errorf("read: task %d exceeded read.timeout %v", i, s.opts.Timeout))
 		defer cancel()
 	}
-	var n uint64
-	for _, op := range ops {
-		n += op.Len
-	}
+	n := rd.Bytes()
 	if n > s.opts.SmallBatch {
 		sem := s.sem(session)
 		select {
@@ -170,50 +195,67 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 		}
 		defer func() { <-sem }()
 	}
-	if err := s.batch(ctx, session, ops); err != nil {
+	if err := s.batch(ctx, session, rd); err != nil {
 		s.failures.Inc()
 		if s.opts.Invalidate != nil && ctx.Err() == nil {
 			s.opts.Invalidate(j, i)
 		}
-		return fmt.Errorf("read task %d (rank %d) session %s, %d ops: %w", i, t.RemoteRank, session, len(ops), err)
+		return fmt.Errorf("read task %d (rank %d) session %s, %d ops: %w", i, t.RemoteRank, session, nops, err)
 	}
 	j.BytesRead.Add(n)
-	j.OpsRead.Add(uint64(len(ops)))
+	j.OpsRead.Add(uint64(nops))
 	s.bytes.Add(float64(n))
-	s.ops.Add(float64(len(ops)))
+	s.ops.Add(float64(nops))
 	return nil
 }
 
-// batch runs ops; with a LedgerTransfer it reconciles what landed with the
-// manifest (ops) and turns any shortfall into an error naming the first
-// short op.
-func (s *Stage) batch(ctx context.Context, session string, ops []plan.Op) error {
-	lt, ok := s.t.(LedgerTransfer)
-	if !ok {
-		return s.t.BatchRead(ctx, session, ops)
-	}
-	landed := make([]uint64, len(ops))
-	if err := lt.BatchReadLedger(ctx, session, ops, landed); err != nil {
-		return err
+// batch runs rd's ops, handing the compact form to a ReadsTransfer (which
+// expands it into its engine's op list) and expanding it here only for a
+// plain Transfer. With a ledger (ReadsLedgerTransfer or LedgerTransfer) it
+// reconciles what landed with the manifest (rd) and turns any shortfall
+// into an error naming the first short op.
+func (s *Stage) batch(ctx context.Context, session string, rd *plan.Reads) error {
+	var landed []uint64
+	switch t := s.t.(type) {
+	case ReadsLedgerTransfer:
+		landed = make([]uint64, rd.Len())
+		if err := t.BatchReadsLedger(ctx, session, rd, landed); err != nil {
+			return err
+		}
+	case LedgerTransfer:
+		landed = make([]uint64, rd.Len())
+		if err := t.BatchReadLedger(ctx, session, rd.AppendTo(nil), landed); err != nil {
+			return err
+		}
+	case ReadsTransfer:
+		return t.BatchReads(ctx, session, rd)
+	default:
+		return s.t.BatchRead(ctx, session, rd.AppendTo(nil))
 	}
 	short, missing := 0, uint64(0)
 	first := -1
-	for i, op := range ops {
-		if landed[i] != op.Len {
-			short++
-			if landed[i] < op.Len {
-				missing += op.Len - landed[i]
+	i := 0
+	for k := range rd.Tensors() {
+		tr := rd.Tensor(k)
+		for r := range rd.Runs() {
+			n := tr.Len * uint64(rd.Run(r).Blocks) // op i's length
+			if landed[i] != n {
+				short++
+				if landed[i] < n {
+					missing += n - landed[i]
+				}
+				if first < 0 {
+					first = i
+				}
 			}
-			if first < 0 {
-				first = i
-			}
+			i++
 		}
 	}
 	if short == 0 {
 		return nil
 	}
 	s.shortfalls.Inc()
-	op := ops[first]
+	op := rd.At(first)
 	return fmt.Errorf("%w: %d of %d ops incomplete, %d bytes missing; first: op %d local %#x remote %#x landed %d of %d bytes",
-		ErrShortfall, short, len(ops), missing, first, op.Local, op.Remote, landed[first], op.Len)
+		ErrShortfall, short, rd.Len(), missing, first, op.Local, op.Remote, landed[first], op.Len)
 }

@@ -3,6 +3,10 @@ package read
 import (
 	"context"
 	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -119,5 +123,123 @@ func TestPerSessionLimit(t *testing.T) {
 	}
 	if p := f.peak.Load(); p > 2 {
 		t.Fatalf("%d batches at once against one session, limit 2", p)
+	}
+}
+
+// kindTransfer is a transfer of one of the four kinds the stage accepts;
+// every kind records the ops it was given (expanded for the compact ones).
+type kindTransfer struct {
+	mu    sync.Mutex
+	ops   [][]plan.Op
+	short int // with a ledger: op index to report half landed; -1 none
+}
+
+func (k *kindTransfer) record(ops []plan.Op) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.ops = append(k.ops, ops)
+}
+
+func (k *kindTransfer) fill(ops []plan.Op, landed []uint64) {
+	for i, op := range ops {
+		landed[i] = op.Len
+		if i == k.short {
+			landed[i] /= 2
+		}
+	}
+}
+
+func (k *kindTransfer) BatchRead(_ context.Context, _ string, ops []plan.Op) error {
+	k.record(slices.Clone(ops))
+	return nil
+}
+
+type plainKind struct{ *kindTransfer }
+
+type ledgerKind struct{ *kindTransfer }
+
+func (l ledgerKind) BatchReadLedger(_ context.Context, _ string, ops []plan.Op, landed []uint64) error {
+	l.record(slices.Clone(ops))
+	l.fill(ops, landed)
+	return nil
+}
+
+type readsKind struct{ *kindTransfer }
+
+func (r readsKind) BatchReads(_ context.Context, _ string, rd *plan.Reads) error {
+	r.record(rd.AppendTo(nil))
+	return nil
+}
+
+type readsLedgerKind struct{ readsKind }
+
+func (r readsLedgerKind) BatchReadsLedger(_ context.Context, _ string, rd *plan.Reads, landed []uint64) error {
+	ops := rd.AppendTo(nil)
+	r.record(ops)
+	r.fill(ops, landed)
+	return nil
+}
+
+// Every kind of transfer gets the same ops, plan.Ops' for the task, and the
+// stage counts the same bytes and ops; the kinds with a ledger catch a
+// short op and name its addresses.
+func TestTransferKinds(t *testing.T) {
+	j0 := testJob(1)
+	opts := Options{
+		Layout: plan.CacheLayout{BlockLen: []uint64{4096}, CachesPerLayer: 2},
+		Local:  plan.Caches{Base: []uint64{5 << 30, 6 << 30, 7 << 30, 8 << 30}, NumBlocks: 8},
+	}
+	want, err := plan.Ops(opts.Layout, j0.Plan.Tasks[0], opts.Local, plan.Caches{Base: j0.Metas[0].BaseAddrs, NumBlocks: j0.Metas[0].NumBlocks})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wantBytes uint64
+	for _, op := range want {
+		wantBytes += op.Len
+	}
+	for _, c := range []struct {
+		name   string
+		mk     func(*kindTransfer) Transfer
+		ledger bool
+	}{
+		{"plain", func(k *kindTransfer) Transfer { return plainKind{k} }, false},
+		{"ledger", func(k *kindTransfer) Transfer { return ledgerKind{k} }, true},
+		{"reads", func(k *kindTransfer) Transfer { return readsKind{k} }, false},
+		{"reads+ledger", func(k *kindTransfer) Transfer { return readsLedgerKind{readsKind{k}} }, true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			k := &kindTransfer{short: -1}
+			s, err := New(c.mk(k), opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			j := testJob(1)
+			if err := s.Process(context.Background(), j); err != nil {
+				t.Fatal(err)
+			}
+			if len(k.ops) != 1 || !slices.Equal(k.ops[0], want) {
+				t.Fatalf("transfer got %v, want [%v]", k.ops, want)
+			}
+			if j.BytesRead.Load() != wantBytes || j.OpsRead.Load() != uint64(len(want)) {
+				t.Fatalf("counted %d bytes, %d ops; want %d, %d", j.BytesRead.Load(), j.OpsRead.Load(), wantBytes, len(want))
+			}
+			k = &kindTransfer{short: 2}
+			if s, err = New(c.mk(k), opts); err != nil {
+				t.Fatal(err)
+			}
+			err = s.Process(context.Background(), testJob(1))
+			if !c.ledger {
+				if err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
+			op := want[2]
+			msg := fmt.Sprintf("1 of %d ops incomplete, %d bytes missing; first: op 2 local %#x remote %#x landed %d of %d bytes",
+				len(want), op.Len-op.Len/2, op.Local, op.Remote, op.Len/2, op.Len)
+			if !errors.Is(err, ErrShortfall) || !strings.Contains(err.Error(), msg) {
+				t.Fatalf("err %v, want %v naming %q", err, ErrShortfall, msg)
+			}
+		})
 	}
 }

@@ -1,0 +1,118 @@
+package faults
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvflow/kvflow/stages/plan"
+	"github.com/kvflow/kvflow/stages/read"
+)
+
+// readsFake takes compact reads (read.ReadsTransfer, no ledger) and
+// records what each call got, expanded, and whether it came compact.
+type readsFake struct {
+	mu      sync.Mutex
+	calls   [][]plan.Op
+	compact []bool
+}
+
+func (f *readsFake) add(ops []plan.Op, compact bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.calls = append(f.calls, ops)
+	f.compact = append(f.compact, compact)
+}
+
+func (f *readsFake) BatchRead(_ context.Context, _ string, ops []plan.Op) error {
+	f.add(slices.Clone(ops), false)
+	return nil
+}
+
+func (f *readsFake) BatchReads(_ context.Context, _ string, r *plan.Reads) error {
+	f.add(r.AppendTo(nil), true)
+	return nil
+}
+
+var _ read.ReadsTransfer = (*readsFake)(nil)
+
+// testReads is 10 ops: 2 tensors x 5 single-block runs.
+func testReads(t *testing.T) *plan.Reads {
+	t.Helper()
+	var rd plan.Reads
+	ids := []int{0, 2, 4, 6, 8}
+	err := rd.Build(plan.CacheLayout{BlockLen: []uint64{64}, CachesPerLayer: 2},
+		plan.Task{P: 1, LayerStart: 0, LayerEnd: 1, LocalBlockIDs: ids, RemoteBlockIDs: ids},
+		plan.Caches{Base: []uint64{0x100000, 0x300000}}, plan.Caches{Base: []uint64{0x200000, 0x400000}})
+	if err != nil || rd.Len() != 10 {
+		t.Fatalf("reads: %v, %d ops", err, rd.Len())
+	}
+	return &rd
+}
+
+// Compact reads draw the same faults as their expanded op list (same key),
+// reach a compact-taking transfer still compact unless a fault cuts the
+// batch, and the wrapper's ledger shows what ran.
+func TestTransferCompactReads(t *testing.T) {
+	rd := testReads(t)
+	all := rd.AppendTo(nil)
+	if readKey("h:1", batch{r: rd}) != readKey("h:1", batch{ops: all}) {
+		t.Fatal("compact and expanded batches have different keys")
+	}
+	for _, kind := range []Kind{None, Fail, Delay, Truncate, ShortRead, Duplicate} {
+		t.Run(kind.String(), func(t *testing.T) {
+			var rates Rates
+			switch kind {
+			case Fail:
+				rates.Fail = 1
+			case Delay:
+				rates.Delay = 1
+			case Truncate:
+				rates.Truncate = 1
+			case ShortRead:
+				rates.ShortRead = 1
+			case Duplicate:
+				rates.Duplicate = 1
+			}
+			s := Schedule{Seed: 3, Read: rates, MaxDelay: time.Millisecond}
+			// The same call as a plain op list, for reference.
+			ref := &fakeTransfer{}
+			refErr := mustNew(t, s).Transfer(ref).BatchRead(context.Background(), "h:1", all)
+
+			f := &readsFake{}
+			landed := make([]uint64, rd.Len())
+			err := mustNew(t, s).Transfer(f).(read.ReadsLedgerTransfer).BatchReadsLedger(context.Background(), "h:1", rd, landed)
+			if (err != nil) != (refErr != nil) || (err != nil && !errors.Is(err, ErrInjected)) {
+				t.Fatalf("err %v, op-list call %v", err, refErr)
+			}
+			if len(f.calls) != len(ref.calls) {
+				t.Fatalf("%d inner calls, op-list call made %d", len(f.calls), len(ref.calls))
+			}
+			for i := range f.calls {
+				if !slices.Equal(f.calls[i], ref.calls[i]) {
+					t.Fatalf("call %d ran %v, op-list call ran %v", i, f.calls[i], ref.calls[i])
+				}
+				whole := len(f.calls[i]) == len(all)
+				if f.compact[i] != whole {
+					t.Errorf("call %d of %d ops compact=%v", i, len(f.calls[i]), f.compact[i])
+				}
+			}
+			ran := 0 // ops whose bytes landed: the last run's (a prefix when cut)
+			if len(f.calls) > 0 {
+				ran = len(f.calls[len(f.calls)-1])
+			}
+			for i, op := range all {
+				want := uint64(0)
+				if i < ran {
+					want = op.Len
+				}
+				if landed[i] != want {
+					t.Fatalf("landed[%d] = %d, want %d (%d ops ran)", i, landed[i], want, ran)
+				}
+			}
+		})
+	}
+}

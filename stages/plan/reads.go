@@ -1,0 +1,255 @@
+package plan
+
+import "fmt"
+
+// Reads is one task's reads in compact form: what AppendOps would write,
+// as a product of the task's cache tensors and its block runs instead of
+// one address triple per (tensor, run). Building it (Build) validates the
+// task and costs O(blocks), independent of the number of tensors; the ops
+// themselves are produced only when a consumer expands them (AppendTo into
+// a []Op, or Tensor/Run straight into a transfer engine's own op type).
+//
+// Op i, in AppendOps' order (tensor-major), is run j = i % Runs() of tensor
+// k = i / Runs():
+//
+//	Tensor(k).Op(Run(j))
+//
+// With P == 1 the runs are the groups of GroupContiguous (local and remote
+// both contiguous); with P > 1 every block is a run of its own. A Reads
+// aliases the task's block-id lists and both sides' base-address lists and
+// reuses its own run storage on the next Build, so it is valid while
+// those are unchanged and until it is built again; copies share that
+// storage. The zero value is an empty Reads (no op).
+type Reads struct {
+	local, remote   []uint64  // base address of each of the task's tensors
+	blockLen, inner [3]uint64 // per part: block length L and L/P
+	parts           int
+	slot            uint64 // HeadSlot
+	loc, rem        []int  // P > 1: the task's local and trimmed remote blocks, one run each
+	runs            []BlockRun
+	grouped         bool // P == 1: runs holds the runs
+	nruns, nblocks  int
+	bytes           uint64
+}
+
+// BlockRun is a run of Blocks consecutive blocks, local and remote, starting
+// at local block Local and remote block Remote.
+type BlockRun struct {
+	Local, Remote, Blocks int
+}
+
+// TensorReads is one cache tensor's part of a Reads: its run of n blocks
+// from local block a and remote block b is read by
+//
+//	Op{Local + a*LocalStride, Remote + b*RemoteStride, n*Len}
+//
+// Local includes the head slot's offset (HeadSlot*L/P); LocalStride is the
+// block length L, RemoteStride and Len are L/P (L when P == 1).
+type TensorReads struct {
+	Local, Remote             uint64
+	LocalStride, RemoteStride uint64
+	Len                       uint64
+}
+
+// Op is the read of run.
+func (t TensorReads) Op(run BlockRun) Op {
+	return Op{
+		Local:  t.Local + uint64(run.Local)*t.LocalStride,
+		Remote: t.Remote + uint64(run.Remote)*t.RemoteStride,
+		Len:    t.Len * uint64(run.Blocks),
+	}
+}
+
+// Build sets r to the reads of task t, reusing r's run storage: the
+// validation and arithmetic of AppendOps (see there), without writing an
+// op. On error r is empty. It allocates only when a P == 1 task has more
+// runs than any task r was built for before.
+func (r *Reads) Build(layout CacheLayout, t Task, local, remote Caches) error {
+	r.Reset()
+	nl, nr := len(t.LocalBlockIDs), len(t.RemoteBlockIDs)
+	if nl == 0 {
+		return nil
+	}
+	if nl > nr {
+		return fmt.Errorf("ops: %d local blocks, only %d remote blocks", nl, nr)
+	}
+	if err := layout.Validate(); err != nil {
+		return err
+	}
+	if t.P < 1 || t.HeadSlot < 0 || t.HeadSlot >= t.P {
+		return fmt.Errorf("ops: task.head_slot %d outside [0, tp_num_need_pulls %d)", t.HeadSlot, t.P)
+	}
+	if t.LayerStart < 0 || t.LayerEnd < t.LayerStart {
+		return fmt.Errorf("ops: task layers [%d, %d) invalid", t.LayerStart, t.LayerEnd)
+	}
+	cpl := layout.CachesPerLayer
+	first, end := t.LayerStart*cpl, t.LayerEnd*cpl
+	if end > len(local.Base) {
+		return fmt.Errorf("ops: layers [%d, %d) need local tensors up to %d, have %d", t.LayerStart, t.LayerEnd, end, len(local.Base))
+	}
+	lbase := local.Base[first:end]
+	if len(remote.Base) != len(lbase) {
+		return fmt.Errorf("ops: %d local tensors for layers [%d, %d), remote has %d", len(lbase), t.LayerStart, t.LayerEnd, len(remote.Base))
+	}
+	loc, rem := t.LocalBlockIDs, t.RemoteBlockIDs[nr-nl:]
+	rem = rem[:len(loc)]
+	groups := 1
+	for i := range loc {
+		lb, rb := loc[i], rem[i]
+		if lb < 0 || rb < 0 {
+			return fmt.Errorf("ops: negative block id (local %d, remote %d)", lb, rb)
+		}
+		if local.NumBlocks > 0 && lb >= local.NumBlocks {
+			return fmt.Errorf("ops: local block %d outside [0, %d)", lb, local.NumBlocks)
+		}
+		if remote.NumBlocks > 0 && rb >= remote.NumBlocks {
+			return fmt.Errorf("ops: remote block %d outside [0, %d)", rb, remote.NumBlocks)
+		}
+		if i > 0 && (lb-loc[i-1] != 1 || rb-rem[i-1] != 1) {
+			groups++
+		}
+	}
+	p := uint64(t.P)
+	for _, b := range layout.BlockLen {
+		if b%p != 0 {
+			return fmt.Errorf("ops: block_len %d not divisible by tp_num_need_pulls %d", b, t.P)
+		}
+	}
+	r.local, r.remote = lbase, remote.Base[:len(lbase)]
+	r.parts = len(layout.BlockLen)
+	for q, b := range layout.BlockLen {
+		r.blockLen[q], r.inner[q] = b, b/p
+	}
+	r.slot = uint64(t.HeadSlot)
+	r.nblocks = nl
+	if t.P > 1 {
+		r.loc, r.rem, r.nruns = loc, rem, nl
+	} else {
+		// The writes go through r.runs[i] (never append to r.runs) so
+		// that a caller's stack buffer in r.runs stays on the stack.
+		if cap(r.runs) < groups {
+			r.runs = make([]BlockRun, groups)
+		}
+		r.runs = r.runs[:groups]
+		j, s := 0, 0
+		for i := 1; i <= nl; i++ {
+			if i == nl || loc[i]-loc[i-1] != 1 || rem[i]-rem[i-1] != 1 {
+				r.runs[j] = BlockRun{Local: loc[s], Remote: rem[s], Blocks: i - s}
+				j++
+				s = i
+			}
+		}
+		r.grouped, r.nruns = true, groups
+	}
+	// Every tensor reads every block once, L/P bytes each: tensors of part
+	// q are k = q, q+parts, ... below len(lbase).
+	for q := range r.parts {
+		if n := len(lbase) - q; n > 0 {
+			r.bytes += r.inner[q] * uint64(nl) * uint64((n+r.parts-1)/r.parts)
+		}
+	}
+	return nil
+}
+
+// Reset empties r, keeping its run storage and dropping its references to
+// the lists it aliased. (Field by field: assigning a new Reads holding
+// r.runs would make escape analysis move a caller's stack buffer in r.runs
+// to the heap.)
+func (r *Reads) Reset() {
+	r.runs = r.runs[:0]
+	r.local, r.remote, r.loc, r.rem = nil, nil, nil, nil
+	r.blockLen, r.inner = [3]uint64{}, [3]uint64{}
+	r.parts, r.slot, r.grouped = 0, 0, false
+	r.nruns, r.nblocks, r.bytes = 0, 0, 0
+}
+
+// Len is the number of ops (OpCount).
+func (r *Reads) Len() int { return r.nruns * len(r.local) }
+
+// Bytes is the total length of the ops.
+func (r *Reads) Bytes() uint64 { return r.bytes }
+
+// Tensors is the number of the task's cache tensors (local tensors sliced
+// to its layers, paired in order with the remote ones).
+func (r *Reads) Tensors() int { return len(r.local) }
+
+// Runs is the number of block runs (ops per tensor).
+func (r *Reads) Runs() int { return r.nruns }
+
+// Blocks is the number of blocks each tensor reads.
+func (r *Reads) Blocks() int { return r.nblocks }
+
+// Parts is the number of cache parts (len(BlockLen)); 0 for an empty Reads.
+// Tensor k uses part k % Parts(), as the seed indexes parts by the position
+// in the sliced list, and the tensors of one part differ only in their base
+// addresses: for q = k % Parts(), Tensor(k).Op(run) is Tensor(q).Op(run)
+// with Tensor(k).Local-Tensor(q).Local added to Local and
+// Tensor(k).Remote-Tensor(q).Remote to Remote (uint64 arithmetic wraps, so
+// this is exact). Expansions compute the first Parts() tensors and shift
+// their ops for the others.
+func (r *Reads) Parts() int { return r.parts }
+
+// Tensor is tensor k's part, 0 <= k < Tensors().
+func (r *Reads) Tensor(k int) TensorReads {
+	q := k % r.parts
+	in := r.inner[q]
+	return TensorReads{Local: r.local[k] + r.slot*in, Remote: r.remote[k], LocalStride: r.blockLen[q], RemoteStride: in, Len: in}
+}
+
+// Run is block run j, 0 <= j < Runs().
+func (r *Reads) Run(j int) BlockRun {
+	if r.grouped {
+		return r.runs[j]
+	}
+	return BlockRun{Local: r.loc[j], Remote: r.rem[j], Blocks: 1}
+}
+
+// At is op i, 0 <= i < Len(): AppendTo(nil)[i] without the others.
+func (r *Reads) At(i int) Op {
+	if i < 0 || i >= r.Len() {
+		panic(fmt.Sprintf("plan: Reads.At(%d) of %d ops", i, r.Len()))
+	}
+	return r.Tensor(i / r.nruns).Op(r.Run(i % r.nruns))
+}
+
+// AppendTo appends the ops to dst, in AppendOps' order, growing it at most
+// once.
+func (r *Reads) AppendTo(dst []Op) []Op {
+	need := r.Len()
+	if need == 0 {
+		return dst
+	}
+	if cap(dst)-len(dst) < need {
+		grown := make([]Op, len(dst), len(dst)+need)
+		copy(grown, dst)
+		dst = grown
+	}
+	n0 := len(dst)
+	dst = dst[:n0+need]
+	out := dst[n0:]
+	groups := r.nruns
+	// The first tensor of each part is computed in full; every later
+	// tensor of that part has the same ops shifted by its base addresses'
+	// difference from the first one's, so it is a copy plus two adds per
+	// op. uint64 arithmetic wraps, so (b_q + x) + (b_k - b_q) == b_k + x
+	// exactly: the ops are the ones Tensor(k).Op gives.
+	for k := 0; k < r.parts && k < len(r.local); k++ {
+		o := out[k*groups : (k+1)*groups]
+		tr := r.Tensor(k)
+		if r.grouped {
+			for j, run := range r.runs[:len(o)] {
+				o[j] = tr.Op(run)
+			}
+			continue
+		}
+		loc, rem := r.loc[:len(o)], r.rem[:len(o)]
+		for j, b := range loc {
+			o[j] = Op{Local: tr.Local + uint64(b)*tr.LocalStride, Remote: tr.Remote + uint64(rem[j])*tr.RemoteStride, Len: tr.Len}
+		}
+	}
+	for k := r.parts; k < len(r.local); k++ {
+		q := k % r.parts
+		shiftOps(out[k*groups:(k+1)*groups], out[q*groups:(q+1)*groups], r.local[k]-r.local[q], r.remote[k]-r.remote[q])
+	}
+	return dst
+}
