@@ -95,6 +95,14 @@ type ServerOptions struct {
 	Curve *Curve
 	// Logger overrides the context's logger.
 	Logger *slog.Logger
+	// Concurrent (NewRouter only) runs up to this many RawHandler calls at
+	// once, each on its own goroutine, and sends each reply as soon as it
+	// is ready, so one slow call (a load waiting for room in a full
+	// pipeline) does not hold up the others (a finished poll). Replies to
+	// one REQ peer stay in order: it sends its next request only after
+	// the reply. 0 or 1: calls run one at a time on the socket's
+	// goroutine.
+	Concurrent int
 }
 
 // Server is the ROUTER side of the side channel. One goroutine owns the
@@ -112,6 +120,17 @@ type Server struct {
 	sock  *zmq.Socket // ROUTER; owned by the loop goroutine
 	wakeR *zmq.Socket // PAIR; owned by the loop goroutine
 	wakeS *zmq.Socket // PAIR; owned by Close
+
+	// Concurrent raw handlers (opts.Concurrent > 1): a handler queues its
+	// reply and pokes the loop through the inproc PAIR readyS (guarded by
+	// readyMu, which also hands the socket between goroutines); the loop
+	// owns readyR and sends the queued replies on sock.
+	readyR   *zmq.Socket
+	readyS   *zmq.Socket
+	readyMu  sync.Mutex
+	ready    [][2][]byte // (identity, reply) waiting to be sent; readyMu
+	slots    chan struct{}
+	handlers sync.WaitGroup
 
 	done      chan struct{}
 	closeOnce sync.Once
@@ -182,6 +201,8 @@ func newServer(zctx *Context, opts ServerOptions, ep endpoint, h Handler, raw Ra
 	s := &Server{zctx: zctx, opts: opts, h: h, raw: raw, m: zctx.metrics, done: make(chan struct{})}
 	defer func() {
 		if err != nil {
+			zctx.closeSocket(s.readyS)
+			zctx.closeSocket(s.readyR)
 			zctx.closeSocket(s.wakeS)
 			zctx.closeSocket(s.wakeR)
 			zctx.closeSocket(s.sock)
@@ -224,6 +245,22 @@ func newServer(zctx *Context, opts ServerOptions, ep endpoint, h Handler, raw Ra
 	}
 	if err = s.wakeS.Connect(wake); err != nil {
 		return nil, fmt.Errorf("sidechannel: server: connect %s: %w", wake, err)
+	}
+	if raw != nil && opts.Concurrent > 1 {
+		ready := zctx.inprocAddr("server-ready")
+		if s.readyR, err = zctx.newSocket(zmq.PAIR); err != nil {
+			return nil, err
+		}
+		if err = s.readyR.Bind(ready); err != nil {
+			return nil, fmt.Errorf("sidechannel: server: bind %s: %w", ready, err)
+		}
+		if s.readyS, err = zctx.newSocket(zmq.PAIR); err != nil {
+			return nil, err
+		}
+		if err = s.readyS.Connect(ready); err != nil {
+			return nil, fmt.Errorf("sidechannel: server: connect %s: %w", ready, err)
+		}
+		s.slots = make(chan struct{}, opts.Concurrent)
 	}
 	s.log = log.With("role", roleServer, "addr", s.addr)
 	if err = zctx.register(s); err != nil {
@@ -289,12 +326,20 @@ func (s *Server) Close() error {
 func (s *Server) loop() {
 	defer close(s.done)
 	defer func() {
+		// Handlers still running finish first (their replies are
+		// dropped): nothing may use readyS once it is closed.
+		s.handlers.Wait()
+		s.zctx.closeSocket(s.readyS)
+		s.zctx.closeSocket(s.readyR)
 		s.zctx.closeSocket(s.sock)
 		s.zctx.closeSocket(s.wakeR)
 	}()
 	poller := zmq.NewPoller()
 	poller.Add(s.sock, zmq.POLLIN)
 	poller.Add(s.wakeR, zmq.POLLIN)
+	if s.readyR != nil {
+		poller.Add(s.readyR, zmq.POLLIN)
+	}
 	for {
 		polled, err := poller.Poll(-1)
 		if err != nil {
@@ -306,8 +351,11 @@ func (s *Server) loop() {
 			continue
 		}
 		for _, pd := range polled {
-			if pd.Socket == s.wakeR {
+			switch pd.Socket {
+			case s.wakeR:
 				return
+			case s.readyR:
+				s.sendReady()
 			}
 		}
 		for range maxBatch {
@@ -491,6 +539,43 @@ func (s *Server) callRenew(rn Renewer, ids []string) (err error) {
 }
 
 func (s *Server) handleRaw(id, payload []byte) {
+	if s.slots == nil {
+		s.callRaw(id, payload)
+		return
+	}
+	// At the limit the loop waits for a running call to end; none waits
+	// for the loop, so this cannot deadlock.
+	s.slots <- struct{}{}
+	s.handlers.Add(1)
+	go func() {
+		defer s.handlers.Done()
+		defer func() { <-s.slots }()
+		s.callRaw(id, payload)
+	}()
+}
+
+// sendReady drains the ready PAIR's pokes and sends every queued reply.
+// Called on the loop's goroutine.
+func (s *Server) sendReady() {
+	for {
+		if _, err := s.readyR.RecvBytes(zmq.DONTWAIT); err != nil {
+			break
+		}
+	}
+	s.readyMu.Lock()
+	ready := s.ready
+	s.ready = nil
+	s.readyMu.Unlock()
+	for _, r := range ready {
+		if err := s.reply(r[0], r[1]); err != nil {
+			s.log.Warn("router reply failed", "err", err)
+		}
+	}
+}
+
+// callRaw runs the raw handler on payload and replies: directly when
+// called on the loop's goroutine, through the ready queue otherwise.
+func (s *Server) callRaw(id, payload []byte) {
 	var reply []byte
 	func() {
 		defer func() {
@@ -501,6 +586,15 @@ func (s *Server) handleRaw(id, payload []byte) {
 		}()
 		reply = s.raw(payload)
 	}()
+	if s.slots != nil {
+		s.readyMu.Lock()
+		s.ready = append(s.ready, [2][]byte{id, reply})
+		// A poke that does not fit is not needed: one is pending, and
+		// the loop takes every queued reply when it wakes.
+		s.readyS.SendBytes([]byte{0}, zmq.DONTWAIT)
+		s.readyMu.Unlock()
+		return
+	}
 	if err := s.reply(id, reply); err != nil {
 		s.log.Warn("router reply failed", "err", err)
 	}
