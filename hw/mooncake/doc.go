@@ -74,8 +74,8 @@
 // it and, of several large batches, one finishes early instead of all
 // late; every eighth take serves the oldest batch, so a stream of small
 // batches cannot starve a large one. READs are pipelined: a lane keeps up
-// to Pipeline (64) requests outstanding, or fewer once they add up to
-// PipelineBytes (1 MiB) beyond the first two, sending the next headers
+// to Pipeline (256) requests outstanding, or fewer once they add up to
+// PipelineBytes (4 MiB) beyond the first two, sending the next headers
 // while earlier responses stream (it consumes the responses already
 // buffered before it writes new headers, so one write refills many
 // slots), and consumes the responses in order
