@@ -39,10 +39,31 @@
 // Instrumentation is paid per item and stage, so it is kept off the hot
 // path where it can be: intake and Close meet on atomics, a send to a queue
 // with room is one channel operation, gauges are read at scrape time, and a
-// stage whose items take under 20 µs has one item in 16 timed into
+// stage whose items take under 20 µs has one item in 64 timed into
 // kvflow_stage_duration_seconds (its _count is then a sample; the item
 // counts are in kvflow_stage_items_total). Stages slower than that — all of
-// kvflow's I/O stages — are timed on every item.
+// kvflow's I/O stages — are timed on every item. Likewise the end-to-end
+// latency is sampled one item in 64 while items take under 1 ms.
+//
+// Each worker counts its items in plain memory and publishes the counts
+// with an atomic store only before it waits (for an item, or for room
+// downstream), when it turns busy, and at least every 32 items while it
+// runs items back to back. So under sustained load
+// kvflow_stage_items_total{outcome="ok"}, kvflow_pipeline_items_total
+// {outcome="done"} and kvflow_pipeline_in_flight may lag by at most 32
+// items per worker, and kvflow_stage_busy_workers counts a worker that runs
+// items back to back as busy throughout; whenever the pipeline is idle, and
+// after Close, every count is exact. The other outcomes (error, skipped,
+// canceled; failed, canceled) are counted as they happen.
+//
+// A worker whose queue runs dry in the middle of a burst yields once before
+// it parks (see serve), which spares a park and wake-up when its producer
+// is about to send; a worker that wakes for single items never yields.
+//
+// BenchmarkChain compares a 5-stage no-op chain with the same chain written
+// by hand with goroutines and channels. On a 2-core machine the pipeline
+// takes about 1.1 times as long per item when nothing else runs; on a
+// shared machine the ratio varies with the other load (1.0 to 1.45 seen).
 //
 // # Never
 //

@@ -196,6 +196,67 @@ func TestFailureRouting(t *testing.T) {
 	}
 }
 
+// TestFailureRoutingMiddle: a SeesFailed stage in the middle of the chain
+// passes a failed item on to the next stage that sees failed items, not to
+// the healthy-only stage right after it; healthy items visit every stage.
+func TestFailureRoutingMiddle(t *testing.T) {
+	boom := errors.New("boom")
+	sees := func(name string) StageConfig[*item] {
+		st := noop(name)
+		st.SeesFailed = true
+		return st
+	}
+	stages := []StageConfig[*item]{noop("a"),
+		{Name: "b", Workers: 1, Capacity: 1, Stage: StageFunc[*item](func(ctx context.Context, it *item) error {
+			it.visit("b")
+			if it.id%2 == 1 {
+				return boom
+			}
+			return nil
+		})},
+		sees("c"), noop("d"), sees("e"), noop("f"),
+	}
+	c := newCollector()
+	reg := prometheus.NewRegistry()
+	p, err := New(Config[*item]{Stages: stages, Sink: c.sink, Registerer: reg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 200
+	for i := range n {
+		if err := p.Submit(context.Background(), &item{id: i}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := p.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	for id := range n {
+		rs := c.results[id]
+		if len(rs) != 1 {
+			t.Fatalf("item %d reached the sink %d times", id, len(rs))
+		}
+		r := rs[0]
+		want, outcome, stage := "a b c d e f", Done, ""
+		if id%2 == 1 {
+			want, outcome, stage = "a b c e", Failed, "b"
+		}
+		if got := strings.Join(r.Item.visited, " "); got != want || r.Outcome != outcome || r.Stage != stage {
+			t.Fatalf("item %d: visited %q outcome %v stage %q; want %q %v %q", id, got, r.Outcome, r.Stage, want, outcome, stage)
+		}
+	}
+	for _, s := range []string{"d", "f"} {
+		if got := value(t, reg, "kvflow_stage_items_total", "stage", s, "outcome", outcomeSkipped); got != n/2 {
+			t.Errorf("skipped at %s = %v, want %d", s, got, n/2)
+		}
+	}
+	for _, s := range []string{"a", "c", "e"} {
+		if got := value(t, reg, "kvflow_stage_items_total", "stage", s, "outcome", outcomeOK); got != n {
+			t.Errorf("ok at %s = %v, want %d", s, got, n)
+		}
+	}
+}
+
 type failAware struct{ onFail func(*item, error) }
 
 func (f failAware) Process(ctx context.Context, it *item) error { it.visit("e"); return nil }
@@ -333,6 +394,54 @@ func value(t *testing.T, reg *prometheus.Registry, name string, labels ...string
 		t.Fatalf("%s%v: %d series, want 1", name, labels, len(out))
 	}
 	return out[0]
+}
+
+// TestCountsExactWhenIdle: workers publish their counts lazily (see
+// worker), but once the pipeline is idle every count is exact, without
+// Close: per-stage ok counts, busy workers, results and in-flight.
+func TestCountsExactWhenIdle(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var stages []StageConfig[*item]
+		for i := range 4 {
+			st := noop(fmt.Sprint("s", i))
+			st.Workers, st.Capacity = 1+i%2, 64
+			stages = append(stages, st)
+		}
+		reg := prometheus.NewRegistry()
+		c := newCollector()
+		p, err := New(Config[*item]{Stages: stages, Sink: c.sink, Registerer: reg})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer p.Close(context.Background())
+		total := 0
+		for _, n := range []int{1, publishEvery - 1, 5 * publishEvery, 3} {
+			for i := range n {
+				if err := p.Submit(context.Background(), &item{id: total + i}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			total += n
+			synctest.Wait() // every worker waits for its next item: idle
+			if got := int(c.count.Load()); got != total {
+				t.Fatalf("sink got %d, want %d", got, total)
+			}
+			for _, st := range stages {
+				if got := value(t, reg, "kvflow_stage_items_total", "stage", st.Name, "outcome", outcomeOK); got != float64(total) {
+					t.Errorf("after %d items: ok at %s = %v", total, st.Name, got)
+				}
+				if got := value(t, reg, "kvflow_stage_busy_workers", "stage", st.Name); got != 0 {
+					t.Errorf("after %d items: busy at %s = %v", total, st.Name, got)
+				}
+			}
+			if got := value(t, reg, "kvflow_pipeline_items_total", "outcome", "done"); got != float64(total) {
+				t.Errorf("after %d items: done = %v", total, got)
+			}
+			if got := value(t, reg, "kvflow_pipeline_in_flight"); got != 0 || p.InFlight() != 0 {
+				t.Errorf("after %d items: in flight %v (%d)", total, got, p.InFlight())
+			}
+		}
+	})
 }
 
 // TestCloseDeadline: Close drains what it can; at the deadline the stuck
