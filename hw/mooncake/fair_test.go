@@ -49,7 +49,7 @@ func TestSmallBatchNotBehindLarge(t *testing.T) {
 		p.q.mu.Lock()
 		defer p.q.mu.Unlock()
 		for _, b := range p.q.ring {
-			if len(b.tasks) == nBig && b.issued > 0 {
+			if len(b.left) == nBig && b.issued > 0 {
 				bb = b
 				return true
 			}

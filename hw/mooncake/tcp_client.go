@@ -66,12 +66,43 @@ func (b *batch) finish(i int, err error) {
 	}
 }
 
-// task is one request on the wire: an op, or a ChunkSize piece of one.
+// task is one request on the wire: an op, a ChunkSize piece of one, or
+// several READ ops merged (segs).
 type task struct {
 	b                     *batch
 	op                    int
 	local, remote, length uint64
-	tries                 int // times sent again after another request broke its lane
+	// segs, when set, are the local ranges of the READ ops merged into
+	// this request, in order: their remote ranges follow one another from
+	// remote, and the answer is scattered over them (local and op are
+	// then the first one's).
+	segs  []seg
+	tries int // times sent again after another request broke its lane
+}
+
+// seg is one op's local range within a merged READ.
+type seg struct {
+	op            int
+	local, length uint64
+}
+
+// pieces is how many finish calls t owes its batch: one per op it covers.
+func (t *task) pieces() int {
+	if t.segs == nil {
+		return 1
+	}
+	return len(t.segs)
+}
+
+// finish ends t's part of every op it covers (err nil on success).
+func (t *task) finish(err error) {
+	if t.segs == nil {
+		t.b.finish(t.op, err)
+		return
+	}
+	for _, sg := range t.segs {
+		t.b.finish(sg.op, err)
+	}
 }
 
 func dirName(opcode uint8) string {
@@ -140,25 +171,20 @@ func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode 
 		return failAll(err)
 	}
 
-	// Split into requests of at most ChunkSize.
-	chunk := uint64(e.cfg.ChunkSize)
-	var tasks []task
-	for i, op := range ops {
-		for off := uint64(0); off < op.Length; off += chunk {
-			n := min(chunk, op.Length-off)
-			tasks = append(tasks, task{b: b, op: i, local: op.Local + off, remote: op.Remote + off, length: n})
-			b.left[i].Add(1)
-		}
-	}
+	tasks := splitOps(b, ops, uint64(e.cfg.ChunkSize), p.buffers())
 	b.tasks = tasks
-	b.pending.Store(int64(len(tasks)))
+	pieces := 0
+	for i := range tasks {
+		pieces += tasks[i].pieces()
+	}
+	b.pending.Store(int64(pieces))
 
 	stop := context.AfterFunc(ctx, func() {
 		b.cancelled.Store(true)
 		// Requests no lane has taken yet end here; those in flight are
 		// aborted by their lanes.
 		for _, t := range p.q.withdraw(b) {
-			b.finish(t.op, ctx.Err())
+			t.finish(ctx.Err())
 		}
 		for _, l := range p.lanes {
 			l.interrupt(b)
@@ -168,7 +194,7 @@ func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode 
 
 	if err := p.q.add(ctx, e.done, b); err != nil {
 		for _, t := range tasks {
-			b.finish(t.op, err)
+			t.finish(err)
 		}
 	}
 
@@ -190,6 +216,69 @@ func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode 
 		}
 	}
 	return nil
+}
+
+// splitOps turns a batch's ops into requests of at most chunk bytes.
+// An op longer than chunk is split. READ ops shorter than chunk whose
+// remote ranges follow one another inside one of the peer's registered
+// buffers (bufs, from its segment descriptor; nil merges nothing) are
+// merged into one request of at most chunk bytes whose answer is
+// scattered over their local ranges: with P > 1 the planner reads every
+// block of a prefill rank's contiguous cache into its own strided place,
+// one op per block, and merging sends one header and reads one status per
+// run instead of one per block, and lets the target answer with one large
+// write. A merged request never crosses a remote buffer's end, so a
+// target that checks each request against its registrations (Mooncake's
+// does) accepts it. Each op's outstanding count (b.left) is set.
+func splitOps(b *batch, ops []Op, chunk uint64, bufs []BufferDesc) []task {
+	tasks := make([]task, 0, len(ops))
+	var segs []seg // backing for every merged task's segs
+	for i := 0; i < len(ops); {
+		op := ops[i]
+		j := i + 1
+		if b.opcode == OpcodeRead && op.Length < chunk {
+			if end, ok := bufferEnd(bufs, op.Remote); ok {
+				total := op.Length
+				for j < len(ops) && ops[j].Remote == ops[j-1].Remote+ops[j-1].Length &&
+					total+ops[j].Length <= chunk && ops[j].Remote+ops[j].Length <= end {
+					total += ops[j].Length
+					j++
+				}
+				if j-i > 1 {
+					if segs == nil {
+						segs = make([]seg, 0, len(ops)-i)
+					}
+					start := len(segs)
+					for k := i; k < j; k++ {
+						segs = append(segs, seg{op: k, local: ops[k].Local, length: ops[k].Length})
+						b.left[k].Add(1)
+					}
+					tasks = append(tasks, task{b: b, op: i, local: op.Local, remote: op.Remote, length: total,
+						segs: segs[start:len(segs):len(segs)]})
+					i = j
+					continue
+				}
+				j = i + 1
+			}
+		}
+		for off := uint64(0); off < op.Length; off += chunk {
+			n := min(chunk, op.Length-off)
+			tasks = append(tasks, task{b: b, op: i, local: op.Local + off, remote: op.Remote + off, length: n})
+			b.left[i].Add(1)
+		}
+		i = j
+	}
+	return tasks
+}
+
+// bufferEnd returns the end of the buffer of bufs that holds addr.
+func bufferEnd(bufs []BufferDesc, addr uint64) (uint64, bool) {
+	for _, bd := range bufs {
+		if addr >= bd.Addr && addr-bd.Addr < bd.Length {
+			return bd.Addr + bd.Length, true
+		}
+	}
+	return 0, false
 }
 
 // queue is a peer's requests not yet taken by a lane, kept per batch.
@@ -419,6 +508,19 @@ func (p *peer) target() (string, bool) {
 	return p.dataAddr, p.desc != nil && p.desc.TCPProtoVersion >= 2
 }
 
+// buffers returns the peer's registered buffers from its segment
+// descriptor (nil before the first handshake). The slice is the
+// descriptor's own: a new handshake replaces the descriptor, never edits
+// it.
+func (p *peer) buffers() []BufferDesc {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.desc == nil {
+		return nil
+	}
+	return p.desc.Buffers
+}
+
 func (p *peer) markStale() {
 	p.mu.Lock()
 	p.stale = true
@@ -531,15 +633,15 @@ func (l *lane) admit(t *task) bool {
 	b := t.b
 	switch {
 	case b.cancelled.Load():
-		b.finish(t.op, context.Cause(b.ctx))
+		t.finish(context.Cause(b.ctx))
 		return false
 	case b.failed.Load():
-		b.finish(t.op, ErrNotAttempted)
+		t.finish(ErrNotAttempted)
 		return false
 	}
 	if l.conn == nil {
 		if err := l.dial(b); err != nil {
-			b.finish(t.op, err)
+			t.finish(err)
 			return false
 		}
 	}
@@ -548,7 +650,7 @@ func (l *lane) admit(t *task) bool {
 	l.mu.Lock()
 	if b.cancelled.Load() {
 		l.mu.Unlock()
-		b.finish(t.op, context.Cause(b.ctx))
+		t.finish(context.Cause(b.ctx))
 		return false
 	}
 	l.win = append(l.win, t)
@@ -590,11 +692,10 @@ func (l *lane) receive() {
 	l.done(t)
 }
 
-// recv reads t's status (v2) and data straight into local memory, in
-// socket reads of at most ChunkSize, each with its own deadline.
+// recv reads t's status (v2) and data straight into local memory (each
+// merged op's range in turn), in socket reads of at most ChunkSize, each
+// with its own deadline.
 func (l *lane) recv(t *task) error {
-	mem := bytesAt(t.local, t.length)
-	chunk := l.p.e.cfg.ChunkSize
 	if err := l.arm(); err != nil {
 		return err
 	}
@@ -603,6 +704,16 @@ func (l *lane) recv(t *task) error {
 			return err
 		}
 	}
+	if t.segs != nil { // at most ChunkSize in all: one deadline
+		for _, sg := range t.segs {
+			if _, err := io.ReadFull(l.br, bytesAt(sg.local, sg.length)); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	mem := bytesAt(t.local, t.length)
+	chunk := l.p.e.cfg.ChunkSize
 	for off := 0; off < len(mem); off += chunk {
 		if off > 0 {
 			if err := l.arm(); err != nil {
@@ -636,7 +747,7 @@ func (l *lane) done(t *task) {
 	bytes, ops := l.p.e.m.dir(t.b.opcode)
 	bytes.Add(float64(t.length))
 	ops.Inc()
-	t.b.finish(t.op, nil)
+	t.finish(nil)
 }
 
 // broken ends the connection after err and settles every request that
@@ -662,9 +773,9 @@ func (l *lane) broken(err error) {
 		b := t.b
 		switch {
 		case b.cancelled.Load():
-			b.finish(t.op, context.Cause(b.ctx))
+			t.finish(context.Cause(b.ctx))
 		case closing:
-			b.finish(t.op, ErrClosed)
+			t.finish(ErrClosed)
 		case aborted || (i > 0 && !silent && t.tries < maxRetries):
 			// Aborts are counted by cancellations, not here.
 			if !aborted {
@@ -672,7 +783,7 @@ func (l *lane) broken(err error) {
 			}
 			l.retry = append(l.retry, t)
 		default:
-			b.finish(t.op, l.explain(b, err))
+			t.finish(l.explain(b, err))
 		}
 	}
 }
