@@ -67,7 +67,12 @@
 //
 // Per peer, Lanes persistent connections, each owned by one goroutine
 // that takes requests from the peer's bounded queue, so the ops of a batch
-// spread over the lanes; ops longer than ChunkSize are split. The queue
+// spread over the lanes; ops longer than ChunkSize are split, and READ ops
+// whose remote ranges follow one another inside one of the peer's
+// registered buffers (its segment descriptor lists them) are merged into
+// one request of up to ChunkSize whose answer is scattered over their
+// local ranges (with tp_num_need_pulls > 1 the planner reads each block
+// of a rank's contiguous cache into its own strided place). The queue
 // keeps requests per batch and lanes take from the batch with the fewest
 // bytes not yet taken (shortest remaining first, ties to the older), so a
 // small batch is not stuck behind the requests of large ones queued before
