@@ -769,6 +769,13 @@ func (l *lane) broken(err error) {
 	l.hdrs, l.wbytes = l.hdrs[:0], 0
 	closing := l.isClosing()
 	silent := errors.Is(err, os.ErrDeadlineExceeded) && !aborted
+	if errors.Is(err, ErrRejected) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, syscall.ECONNRESET) {
+		// A refusal or a peer that closed may mean it restarted with
+		// other registrations: the next batch handshakes again, so
+		// requests are merged (splitOps) against its current buffers.
+		l.p.markStale()
+	}
 	for i, t := range win {
 		b := t.b
 		switch {
