@@ -9,9 +9,13 @@ import (
 	"github.com/kvflow/kvflow/internal/sidechannel"
 	"github.com/kvflow/kvflow/stages/handshake"
 	"github.com/kvflow/kvflow/stages/job"
+	"github.com/kvflow/kvflow/stages/notify"
 	"github.com/kvflow/kvflow/stages/plan"
 	"github.com/kvflow/kvflow/stages/read"
 )
+
+// The side-channel client is the notify stage's Sender, with batched DONEs.
+var _ notify.BatchSender = (*sidechannel.Client)(nil)
 
 // Fetcher adapts a side-channel client to handshake.Fetcher.
 func Fetcher(c *sidechannel.Client) handshake.Fetcher { return fetcher{c} }
@@ -27,7 +31,7 @@ func (f fetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, error)
 		return job.Meta{}, err
 	}
 	return job.Meta{EngineID: m.EngineID, TERPCPort: m.TERPCPort, BaseAddrs: m.KVCachesBaseAddr,
-		NumBlocks: m.NumBlocks, BootEpoch: m.Ext.BootEpoch, LeaseTTL: m.Ext.LeaseTTL}, nil
+		NumBlocks: m.NumBlocks, BootEpoch: m.Ext.BootEpoch, LeaseTTL: m.Ext.LeaseTTL, BatchDone: m.Ext.BatchDone}, nil
 }
 
 type transfer struct{ e mooncake.Engine }

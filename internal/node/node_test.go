@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/prefill"
@@ -42,6 +44,7 @@ type cluster struct {
 	t       *testing.T
 	prefill []*Node // by DeviceIndex
 	decode  []*Node // by tp rank
+	regs    map[*Node]*prometheus.Registry
 	results chan decode.Result
 	kvPort  int
 }
@@ -83,7 +86,7 @@ func startCluster(t *testing.T, tp topo) *cluster {
 }
 
 func tryCluster(t *testing.T, tp topo, kvPort int) (*cluster, error) {
-	c := &cluster{t: t, kvPort: kvPort, results: make(chan decode.Result, 1024)}
+	c := &cluster{t: t, kvPort: kvPort, results: make(chan decode.Result, 1024), regs: map[*Node]*prometheus.Registry{}}
 	closeAll := func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
@@ -96,26 +99,59 @@ func tryCluster(t *testing.T, tp topo, kvPort int) (*cluster, error) {
 		for r := range tp.prefillTP {
 			cfg := baseConfig(tp, "prefill", kvPort)
 			cfg.Rank = config.Rank{TP: r, PP: p}
-			n, err := Start(cfg, Deps{})
+			reg := prometheus.NewRegistry()
+			n, err := Start(cfg, Deps{Registerer: reg})
 			if err != nil {
 				closeAll()
 				return nil, err
 			}
 			c.prefill = append(c.prefill, n)
+			c.regs[n] = reg
 		}
 	}
 	for r := range tp.decodeTP {
 		cfg := baseConfig(tp, "decode", kvPort+1000)
 		cfg.Rank = config.Rank{TP: r}
-		n, err := Start(cfg, Deps{OnFinish: func(res decode.Result) { c.results <- res }})
+		reg := prometheus.NewRegistry()
+		n, err := Start(cfg, Deps{Registerer: reg, OnFinish: func(res decode.Result) { c.results <- res }})
 		if err != nil {
 			closeAll()
 			return nil, err
 		}
 		c.decode = append(c.decode, n)
+		c.regs[n] = reg
 	}
 	t.Cleanup(closeAll)
 	return c, nil
+}
+
+// counter sums the counter series of name whose labels include labels.
+func counter(t *testing.T, reg *prometheus.Registry, name string, labels map[string]string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum := 0.0
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	next:
+		for _, m := range mf.GetMetric() {
+			have := map[string]string{}
+			for _, lp := range m.GetLabel() {
+				have[lp.GetName()] = lp.GetValue()
+			}
+			for k, v := range labels {
+				if have[k] != v {
+					continue next
+				}
+			}
+			sum += m.GetCounter().GetValue()
+		}
+	}
+	return sum
 }
 
 func rowBytes(n *Node) []int {
@@ -237,6 +273,29 @@ func TestEndToEnd(t *testing.T) {
 				if v != 1 {
 					t.Errorf("%s freed %d times", k, v)
 				}
+			}
+			// kvflow to kvflow: every DONE went batched (done_batch_msg),
+			// none plain, and each prefill rank counted exactly the DONEs
+			// the decode side sent it.
+			var sent, got float64
+			for _, d := range c.decode {
+				sent += counter(t, c.regs[d], "kvflow_notify_batched_dones_total", nil)
+				if v := counter(t, c.regs[d], "kvflow_sidechannel_requests_total", map[string]string{"role": "client", "op": "done"}); v != 0 {
+					t.Errorf("decode rank %d sent %v plain DONEs", d.Config.Rank.TP, v)
+				}
+			}
+			for _, p := range c.prefill {
+				got += counter(t, c.regs[p], "kvflow_prefill_done_messages_total", nil)
+				if v := counter(t, c.regs[p], "kvflow_sidechannel_requests_total", map[string]string{"role": "server", "op": "done"}); v != 0 {
+					t.Errorf("prefill got %v plain DONEs", v)
+				}
+			}
+			msgs := 0.0
+			for _, p := range c.prefill {
+				msgs += counter(t, c.regs[p], "kvflow_sidechannel_requests_total", map[string]string{"role": "server", "op": "done_batch", "outcome": "ok"})
+			}
+			if sent == 0 || got != sent || msgs == 0 || msgs > sent {
+				t.Errorf("batched DONEs: decode sent %v, prefill counted %v, in %v messages", sent, got, msgs)
 			}
 		})
 	}

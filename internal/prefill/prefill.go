@@ -37,11 +37,18 @@ type Options struct {
 	// LeaseTTL turns leases on (0 = off): GET_META advertises it
 	// (Metadata.Ext.LeaseTTL) and each RENEW keeps the named held requests
 	// from being force-freed for LeaseTTL (tracker.Options.LeaseTTL).
-	LeaseTTL   time.Duration
-	Grants     Grants
-	Now        func() time.Time
-	Registerer prometheus.Registerer
-	Logger     *slog.Logger
+	LeaseTTL time.Duration
+	// NoBatchDone stops GET_META from advertising batched DONE
+	// (Metadata.Ext.BatchDone), so kvflow decode workers send this worker
+	// one DONE_RECVING per request, as seed ones do. The side channel
+	// serves done_batch_msg either way (Done once per id); false, the
+	// default, lets a busy decode worker share one round trip between
+	// many DONEs.
+	NoBatchDone bool
+	Grants      Grants
+	Now         func() time.Time
+	Registerer  prometheus.Registerer
+	Logger      *slog.Logger
 }
 
 // Worker is one prefill worker's side of the transfer.
@@ -75,8 +82,10 @@ func New(o Options) (*Worker, error) {
 	if o.LeaseTTL < 0 {
 		return nil, fmt.Errorf("prefill: lease ttl %v < 0", o.LeaseTTL)
 	}
-	// The metadata advertises leases exactly when this worker takes RENEW.
+	// The metadata advertises leases exactly when this worker takes RENEW,
+	// and batched DONE unless told not to.
 	o.Metadata.Ext.LeaseTTL = o.LeaseTTL
+	o.Metadata.Ext.BatchDone = !o.NoBatchDone
 	log := o.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -89,7 +98,7 @@ func New(o Options) (*Worker, error) {
 	}, []string{"decision"})
 	w.dones = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_prefill_done_messages_total",
-		Help: "DONE_RECVING messages received, by result.",
+		Help: "DONE_RECVINGs received (plain, or one per id of a done_batch_msg), by result.",
 	}, []string{"result"})
 	w.renews = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_prefill_lease_renewals_total",
@@ -186,8 +195,9 @@ func (w *Worker) send(r SendRequest) error {
 	return nil
 }
 
-// Done handles DONE_RECVING (the side channel's handler). The side channel
-// ACKs whatever it returns; an error is logged and counted there.
+// Done handles DONE_RECVING (the side channel's handler), and each id of a
+// batched done_batch_msg in turn. The side channel ACKs whatever it
+// returns; an error is logged and counted there.
 func (w *Worker) Done(reqID string) error {
 	res, err := w.tr.Done(reqID, w.now())
 	if err != nil {

@@ -20,18 +20,49 @@
 //	P → D  [identity] "" raw "ACK"
 //	D → P  [identity] "" msgpack [bin "renew_msg", [request_id, ...]]   (kvflow only)
 //	P → D  [identity] "" raw "ACK"
+//	D → P  [identity] "" msgpack [bin "done_batch_msg", [request_id, ...]]   (kvflow only)
+//	P → D  [identity] "" raw "ACK"
 //
 // The server, like the seed, accepts the payload with or without the empty
 // delimiter frame (it ignores empty frames after the identity and requires
 // exactly one non-empty one) and always replies [identity, "", reply].
 // Metadata bytes equal msgspec's; kvflow's optional "kvflow" map field
-// (Ext: boot_epoch, lease_ttl_ms) is sent only when set, and the seed's
-// decoder ignores it.
+// (Ext: boot_epoch, lease_ttl_ms, batch_done) is sent only when set, and
+// the seed's decoder ignores it.
 //
 // RENEW (leases) is negotiated: a prefill Handler that implements Renewer
 // advertises Ext.LeaseTTL, and a decode worker sends Client.Renew only to
 // peers that advertised it, so a seed ROUTER never receives it. A Handler
 // without Renewer (or HandlerFuncs without RenewFunc) answers it "ERR".
+//
+// # Batched DONE (kvflow only, negotiated)
+//
+// done_batch_msg carries 1 to wire.MaxDoneBatchIDs request ids and means
+// exactly one DONE_RECVING per id, in order: the server calls Handler.Done
+// for each (an id listed twice is counted twice, as two DONEs would be),
+// then replies once, "ACK" — also when Done returned errors (logged once
+// per message, outcome "handler_error"), as for DONE_RECVING — or
+// "ERR internal error" when a Done call panicked (the other ids are still
+// handed over). An empty list, non-str ids or too many ids are bad
+// messages ("ERR decode: ...").
+//
+// Every Server takes it, but a decode worker sends it only to a peer whose
+// metadata advertised Ext.BatchDone (the prefill worker does, unless
+// prefill.Options.NoBatchDone); seed peers and older kvflow servers never
+// receive it and get SendDone's plain messages.
+//
+// Client.SendDoneBatched is a group commit per peer endpoint, without a
+// timer: a caller that finds no DONE queued and fewer than
+// ClientOptions.MaxDoneBatchesPerPeer messages in flight sends its own id
+// at once on its own goroutine (SendDone's latency); otherwise its id
+// queues and a batcher goroutine of that peer sends everything queued in
+// the next message as soon as one in flight is answered, and exits when
+// nothing is queued. Each caller returns the result of the message that
+// carried its id. One caller's ctx never cancels a shared message (it is
+// bounded by the attempts and Close); a cancelled caller returns at once,
+// and its id is dropped if still queued or may still arrive if already
+// sent. Close fails queued callers with ErrClosed; batchers are counted
+// with the calls Close waits for, so none outlives the Client.
 //
 // # Where kvflow deliberately differs from the seed
 //
@@ -135,7 +166,9 @@
 // kvflow_sidechannel_request_duration_seconds{role,op},
 // kvflow_sidechannel_bad_messages_total{reason},
 // kvflow_sidechannel_socket_resets_total{reason},
-// kvflow_sidechannel_auth_denied_total{reason} and
+// kvflow_sidechannel_auth_denied_total{reason},
+// kvflow_sidechannel_done_batch_ids{role} (ids per done_batch_msg) and
 // kvflow_sidechannel_open_sockets. role is "client" or "server" (one process
-// may be both), op "get_meta", "done" or "renew".
+// may be both), op "get_meta", "done", "renew" or "done_batch" (one per
+// message, whatever its id count).
 package sidechannel

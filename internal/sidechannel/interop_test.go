@@ -120,11 +120,12 @@ func TestInteropSeedServer(t *testing.T) {
 
 // TestInteropSeedClient: a Python REQ peer doing what the seed's decode side
 // does (GET_META, decode as msgspec would, DONE → ACK) against kvflow's
-// server, with and without kvflow's metadata extension.
+// server, with and without kvflow's metadata extension (a seed decoder
+// ignores it, batch_done included, and keeps sending plain DONEs).
 func TestInteropSeedClient(t *testing.T) {
 	needSeedPython(t)
 	e := newEnv(t)
-	for _, ext := range []Ext{{}, {BootEpoch: 1<<63 + 9}} {
+	for _, ext := range []Ext{{}, {BootEpoch: 1<<63 + 9}, {BootEpoch: 3, LeaseTTL: time.Second, BatchDone: true}} {
 		md := Metadata{EngineID: "kvflow-P", TERPCPort: 15000, KVCachesBaseAddr: []uint64{0x1000_0000, 1<<64 - 2}, NumBlocks: 8, Ext: ext}
 		h := &recorder{md: md}
 		s := e.server(t, h, ServerOptions{})

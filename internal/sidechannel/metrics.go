@@ -14,6 +14,8 @@ const (
 	opGetMeta = "get_meta"
 	opDone    = "done"
 	opRenew   = "renew"
+	// opDoneBatch is one done_batch_msg (kvflow), whatever its id count.
+	opDoneBatch = "done_batch"
 
 	// Client outcomes.
 	outcomeOK          = "ok"
@@ -62,6 +64,7 @@ type metrics struct {
 	resets      *prometheus.CounterVec   // reason
 	authDenied  *prometheus.CounterVec   // reason
 	duration    *prometheus.HistogramVec // role, op
+	batchIDs    *prometheus.HistogramVec // role
 }
 
 func newMetrics(reg prometheus.Registerer, openSockets func() float64) *metrics {
@@ -89,12 +92,20 @@ func newMetrics(reg prometheus.Registerer, openSockets func() float64) *metrics 
 			// 50 µs (loopback reply) to ~6.5 s (seed-like 3 × 1 s timeouts plus backoff).
 			Buckets: prometheus.ExponentialBuckets(50e-6, 2.5, 14),
 		}, []string{"role", "op"}),
+		batchIDs: f.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "kvflow_sidechannel_done_batch_ids",
+			Help: "Request ids per done_batch_msg (client: sent; server: received). Sum over count = DONEs per round trip.",
+			// 1 (no batching) to 4096 (wire.MaxDoneBatchIDs).
+			Buckets: prometheus.ExponentialBuckets(1, 2, 13),
+		}, []string{"role"}),
 	}
 	f.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "kvflow_sidechannel_open_sockets",
 		Help: "ZMQ sockets currently open on the side-channel context.",
 	}, openSockets)
-	for _, op := range []string{opGetMeta, opDone, opRenew} {
+	m.batchIDs.WithLabelValues(roleClient)
+	m.batchIDs.WithLabelValues(roleServer)
+	for _, op := range []string{opGetMeta, opDone, opRenew, opDoneBatch} {
 		for _, o := range clientOutcomes {
 			m.requests.WithLabelValues(roleClient, op, o)
 		}

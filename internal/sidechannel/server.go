@@ -25,6 +25,8 @@ type Handler interface {
 	// when Done returns an error (the message was received; an unknown or
 	// already finished request id is the tracker's business, as in the
 	// seed); the error is logged and counted as outcome "handler_error".
+	// A done_batch_msg (kvflow) calls Done once per id, in order, then
+	// replies once: "ACK", or "ERR internal error" if any call panicked.
 	Done(reqID string) error
 }
 
@@ -445,6 +447,19 @@ func (s *Server) handle(frames [][]byte) {
 				s.log.Warn("renew handler error (ACKed anyway)", "requests", len(req.RequestIDs), "err", err)
 			}
 		}
+	case wire.KindDoneBatch:
+		s.log.Debug("got DONE_BATCH", "requests", len(req.RequestIDs))
+		s.m.batchIDs.WithLabelValues(roleServer).Observe(float64(len(req.RequestIDs)))
+		reply = []byte(wire.AckReply)
+		if failed, panicked, first := s.callDoneBatch(req.RequestIDs); failed > 0 {
+			outcome = outcomeHandlerError
+			if panicked > 0 {
+				reply = wire.EncodeErrorReply("internal error")
+				s.log.Error("done handler panicked", "requests", len(req.RequestIDs), "failed", failed, "panicked", panicked, "err", first)
+			} else {
+				s.log.Warn("done handler error (ACKed anyway)", "requests", len(req.RequestIDs), "failed", failed, "err", first)
+			}
+		}
 	case wire.KindDoneRecving:
 		s.log.Debug("got DONE_RECVING", "request_id", req.RequestID)
 		reply = []byte(wire.AckReply)
@@ -527,6 +542,27 @@ func (s *Server) callDone(reqID string) (err error) {
 		}
 	}()
 	return s.h.Done(reqID)
+}
+
+// callDoneBatch calls Done for every id in order, even after one fails or
+// panics (the others are independent requests), and returns how many
+// failed, how many of those panicked, and the first failure (naming its id).
+func (s *Server) callDoneBatch(ids []string) (failed, panicked int, first error) {
+	for _, id := range ids {
+		err := s.callDone(id)
+		if err == nil {
+			continue
+		}
+		failed++
+		var p panicError
+		if errors.As(err, &p) {
+			panicked++
+		}
+		if first == nil {
+			first = fmt.Errorf("request %q: %w", id, err)
+		}
+	}
+	return failed, panicked, first
 }
 
 func (s *Server) callRenew(rn Renewer, ids []string) (err error) {

@@ -19,8 +19,8 @@ import (
 )
 
 // Meta is a remote prefill rank's agent metadata (the seed's
-// MooncakeAgentMetadata, plus kvflow's boot epoch and lease TTL when the
-// peer sends them).
+// MooncakeAgentMetadata, plus kvflow's boot epoch, lease TTL and batched
+// DONE support when the peer sends them).
 type Meta struct {
 	EngineID  string
 	TERPCPort int
@@ -31,6 +31,9 @@ type Meta struct {
 	// blocks for LeaseTTL after each renewal (0: a seed peer, or leases
 	// off; never send it RENEW).
 	LeaseTTL time.Duration
+	// BatchDone: the peer takes kvflow's batched DONE (done_batch_msg);
+	// false: a seed or older kvflow peer, send it plain DONE_RECVINGs only.
+	BatchDone bool
 }
 
 // Job is one pull request on its way through the decode pipeline.

@@ -6,6 +6,16 @@
 // rank and task, as the seed sends them (a prefill rank that expects
 // several DONEs counts them).
 //
+// Batched DONEs (kvflow only, negotiated): when the Sender is a
+// BatchSender and a remote rank's metadata advertised batch_done
+// (job.Meta.BatchDone), that rank's DONE goes through SendDoneBatched,
+// which shares one done_batch_msg round trip with the other DONEs to the
+// same endpoint in flight at the time (group commit in the side channel's
+// client; no timer, so no added latency at low load). Meaning, ACK and
+// error handling are those of a plain DONE. Seed ranks and kvflow ranks
+// that do not advertise it get plain DONEs; so does every rank when the
+// Sender is not a BatchSender (e.g. wrapped by a fault injector).
+//
 // A DONE that cannot be delivered is counted and logged; it does not fail a
 // job whose bytes all landed (the prefill side frees it at its abort
 // timeout). Its subpackage tracker is the prefill side's bookkeeping of

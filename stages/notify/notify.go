@@ -17,6 +17,16 @@ type Sender interface {
 	SendDone(ctx context.Context, endpoint, reqID string) error
 }
 
+// BatchSender is a Sender that can also deliver a DONE in kvflow's batched
+// done_batch_msg, shared with other DONEs to the same endpoint (the side
+// channel's Client). The stage uses it only for remote ranks whose
+// metadata advertised it (job.Meta.BatchDone); a Sender without it (a
+// wrapper, a test double) always sends plain DONEs.
+type BatchSender interface {
+	Sender
+	SendDoneBatched(ctx context.Context, endpoint, reqID string) error
+}
+
 // Options configures the stage.
 type Options struct {
 	// Timeout bounds the DONE/ACK exchanges of one job. 5 s: the side
@@ -29,10 +39,12 @@ type Options struct {
 // Stage is the notify stage.
 type Stage struct {
 	s    Sender
+	bs   BatchSender // s, when it batches; nil otherwise
 	opts Options
 	log  *slog.Logger
 
 	sent, undelivered prometheus.Counter
+	batched           prometheus.Counter
 }
 
 // New makes the stage.
@@ -45,14 +57,21 @@ func New(s Sender, opts Options) (*Stage, error) {
 		log = slog.New(slog.DiscardHandler)
 	}
 	st := &Stage{s: s, opts: opts, log: log.With("component", "stage/notify")}
+	st.bs, _ = s.(BatchSender)
 	dones := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_notify_done_messages_total",
-		Help: "DONE_RECVING messages by result (acked, undelivered).",
+		Help: "DONE_RECVINGs (one per request and remote task, plain or in a batch) by result (acked, undelivered).",
 	}, []string{"result"})
 	st.sent, st.undelivered = dones.WithLabelValues("acked"), dones.WithLabelValues("undelivered")
+	st.batched = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvflow_notify_batched_dones_total",
+		Help: "DONE_RECVINGs sent through batched done_batch_msg (peers advertising batch_done), whatever their result; messages and ids per message are in kvflow_sidechannel_done_batch_ids.",
+	})
 	if opts.Registerer != nil {
-		if err := opts.Registerer.Register(dones); err != nil {
-			return nil, err
+		for _, c := range []prometheus.Collector{dones, st.batched} {
+			if err := opts.Registerer.Register(c); err != nil {
+				return nil, err
+			}
 		}
 	}
 	return st, nil
@@ -82,8 +101,15 @@ func (s *Stage) notify(ctx context.Context, j *job.Job) {
 	var wg sync.WaitGroup
 	for i := range j.Plan.Tasks {
 		ep := j.HandshakeEndpoint(i)
+		send := s.s.SendDone
+		// Metas is short when the job failed before its handshake ended:
+		// those ranks get plain DONEs.
+		if s.bs != nil && i < len(j.Metas) && j.Metas[i].BatchDone {
+			send = s.bs.SendDoneBatched
+			s.batched.Inc()
+		}
 		wg.Go(func() {
-			if err := s.s.SendDone(ctx, ep, j.Req.ID); err != nil {
+			if err := send(ctx, ep, j.Req.ID); err != nil {
 				s.undelivered.Inc()
 				j.DoneUndelivered.Add(1)
 				s.log.Warn("DONE not delivered", "request_id", j.Req.ID, "endpoint", ep, "task", i, "err", err)

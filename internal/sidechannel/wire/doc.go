@@ -18,13 +18,19 @@
 //
 // kvflow additions, all optional so the plain protocol still works:
 //   - metadata field "kvflow" (a map: {"boot_epoch": uint, "lease_ttl_ms":
-//     uint}, each omitted when 0) after the seed's four, omitted when empty,
+//     uint, "batch_done": true}, each omitted when 0/false) after the seed's
+//     four, omitted when empty,
 //     so kvflow's bytes equal the seed's; msgspec ignores unknown fields, so
 //     seed peers accept it;
 //   - RENEW [bin "renew_msg", [str req_id, ...]] → raw "ACK": lease
 //     renewal, sent only to a peer whose metadata carries lease_ttl_ms (so
 //     a seed ROUTER, which would drop it, never receives it), e.g.
 //     92 c4 09 72656e65775f6d7367 92 a1 61 a1 62 for ["a", "b"];
+//   - DONE_BATCH [bin "done_batch_msg", [str req_id, ...]] → raw "ACK":
+//     1 to MaxDoneBatchIDs DONE_RECVINGs in one message, handled exactly as
+//     one done_recving_msg per id in order (an id listed twice counts
+//     twice); sent only to a peer whose metadata carries batch_done, e.g.
+//     92 c4 0e 646f6e655f62617463685f6d7367 92 a1 61 a1 62 for ["a", "b"];
 //   - the raw error reply "ERR <reason>" to a request kvflow could not handle
 //     (the seed drops such requests and lets the peer time out).
 //

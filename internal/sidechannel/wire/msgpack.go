@@ -406,3 +406,20 @@ func typeName(c byte) string {
 	}
 	return "invalid"
 }
+
+// bool reads a msgpack bool (nil and integers are not bools).
+func (r *reader) bool(field string) (bool, error) {
+	c, err := r.peek(field)
+	if err != nil {
+		return false, err
+	}
+	switch c {
+	case 0xc2:
+		r.off++
+		return false, nil
+	case 0xc3:
+		r.off++
+		return true, nil
+	}
+	return false, r.errf(field, "want bool, got %s (0x%02x)", typeName(c), c)
+}

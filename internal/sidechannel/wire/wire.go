@@ -18,12 +18,22 @@ const (
 	// answered "ACK". Not in the seed: a decode worker sends it only to
 	// peers whose metadata advertised Ext.LeaseTTL.
 	MsgRenew = "renew_msg"
+	// MsgDoneBatch is kvflow's batched DONE_RECVING,
+	// [b"done_batch_msg", [req_id, ...]], answered "ACK": the same as one
+	// done_recving_msg per id, in order (an id listed twice counts twice).
+	// Not in the seed: a decode worker sends it only to peers whose
+	// metadata advertised Ext.BatchDone.
+	MsgDoneBatch = "done_batch_msg"
 )
 
 // MaxRenewIDs bounds the request ids of one RENEW (a sender splits larger
 // batches): 4096 ids of a few hundred bytes stay far below the server's
 // 1 MiB message limit.
 const MaxRenewIDs = 4096
+
+// MaxDoneBatchIDs bounds the request ids of one DONE batch, for the same
+// reason as MaxRenewIDs; a batch is never empty.
+const MaxDoneBatchIDs = 4096
 
 // AckReply is the raw (not msgpack) reply to a DONE_RECVING request.
 const AckReply = "ACK"
@@ -44,6 +54,7 @@ const (
 	keyKvflow           = "kvflow"
 	keyBootEpoch        = "boot_epoch"
 	keyLeaseTTLMs       = "lease_ttl_ms"
+	keyBatchDone        = "batch_done"
 )
 
 // Sentinel errors; test with errors.Is.
@@ -53,7 +64,7 @@ var (
 	// Every *DecodeError wraps it.
 	ErrMalformed = errors.New("sidechannel: malformed message")
 	// ErrUnknownMessage: a well-formed request whose type tag is not
-	// get_meta_msg, done_recving_msg or (kvflow) renew_msg.
+	// get_meta_msg, done_recving_msg or (kvflow) renew_msg or done_batch_msg.
 	ErrUnknownMessage = errors.New("sidechannel: unknown message type")
 	// ErrUnexpectedReply: a reply to DONE_RECVING that is not "ACK" (and not
 	// an error reply).
@@ -86,10 +97,11 @@ const (
 	KindGetMeta     Kind = iota + 1 // [b"get_meta_msg", ""] → metadata map
 	KindDoneRecving                 // [b"done_recving_msg", request_id] → b"ACK"
 	KindRenew                       // [b"renew_msg", [request_id, ...]] → b"ACK" (kvflow only)
+	KindDoneBatch                   // [b"done_batch_msg", [request_id, ...]] → b"ACK" (kvflow only)
 )
 
 // String returns the short name used in metrics and logs: "get_meta",
-// "done", "renew".
+// "done", "renew", "done_batch".
 func (k Kind) String() string {
 	switch k {
 	case KindGetMeta:
@@ -98,6 +110,8 @@ func (k Kind) String() string {
 		return "done"
 	case KindRenew:
 		return "renew"
+	case KindDoneBatch:
+		return "done_batch"
 	}
 	return "unknown(" + strconv.Itoa(int(k)) + ")"
 }
@@ -106,7 +120,7 @@ func (k Kind) String() string {
 type Request struct {
 	Kind       Kind
 	RequestID  string   // KindDoneRecving only
-	RequestIDs []string // KindRenew only (may be empty)
+	RequestIDs []string // KindRenew (may be empty), KindDoneBatch (never empty)
 }
 
 // Metadata is the seed's MooncakeAgentMetadata plus kvflow's optional
@@ -133,10 +147,14 @@ type Ext struct {
 	// whole milliseconds (a positive value under 1 ms is sent as 1).
 	// 0 = not sent: the peer does not take RENEW.
 	LeaseTTL time.Duration
+	// BatchDone advertises that the server takes done_batch_msg (batched
+	// DONE_RECVING). Sent as "batch_done": true; false = not sent: send the
+	// peer one done_recving_msg per request.
+	BatchDone bool
 }
 
 // IsZero reports whether no extension field is set (then "kvflow" is omitted).
-func (e Ext) IsZero() bool { return e.BootEpoch == 0 && e.LeaseTTL <= 0 }
+func (e Ext) IsZero() bool { return e.BootEpoch == 0 && e.LeaseTTL <= 0 && !e.BatchDone }
 
 // AppendGetMeta appends the GET_META request, msgpack [b"get_meta_msg", ""].
 func AppendGetMeta(dst []byte) []byte {
@@ -172,6 +190,22 @@ func AppendRenew(dst []byte, reqIDs []string) []byte {
 // EncodeRenew returns the RENEW request bytes for reqIDs.
 func EncodeRenew(reqIDs []string) []byte { return AppendRenew(nil, reqIDs) }
 
+// AppendDoneBatch appends msgpack [b"done_batch_msg", [reqIDs...]]. The
+// caller keeps 1 ≤ len(reqIDs) ≤ MaxDoneBatchIDs (DecodeRequest rejects
+// anything else).
+func AppendDoneBatch(dst []byte, reqIDs []string) []byte {
+	dst = appendArrayLen(dst, 2)
+	dst = appendBin(dst, MsgDoneBatch)
+	dst = appendArrayLen(dst, len(reqIDs))
+	for _, id := range reqIDs {
+		dst = appendStr(dst, id)
+	}
+	return dst
+}
+
+// EncodeDoneBatch returns the batched DONE request bytes for reqIDs.
+func EncodeDoneBatch(reqIDs []string) []byte { return AppendDoneBatch(nil, reqIDs) }
+
 // EncodeRequest encodes r; it panics on an unknown Kind (a programming error).
 func EncodeRequest(r Request) []byte {
 	switch r.Kind {
@@ -181,6 +215,8 @@ func EncodeRequest(r Request) []byte {
 		return EncodeDoneRecving(r.RequestID)
 	case KindRenew:
 		return EncodeRenew(r.RequestIDs)
+	case KindDoneBatch:
+		return EncodeDoneBatch(r.RequestIDs)
 	}
 	panic("sidechannel: EncodeRequest: unknown kind " + r.Kind.String())
 }
@@ -194,6 +230,8 @@ func EncodeRequest(r Request) []byte {
 //     further elements are ignored (room for optional kvflow additions);
 //   - renew_msg (kvflow): element 1 must be an array of at most MaxRenewIDs
 //     UTF-8 strs; further elements are ignored;
+//   - done_batch_msg (kvflow): element 1 must be an array of 1 to
+//     MaxDoneBatchIDs UTF-8 strs; further elements are ignored;
 //   - nothing may follow the array.
 //
 // A str tag (instead of bin) is malformed, as it is "unexpected" to the seed.
@@ -229,18 +267,17 @@ func DecodeRequest(b []byte) (Request, error) {
 		if n < 2 {
 			return Request{}, r.errf("request", "renew_msg without request ids")
 		}
-		m, err := r.arrayLen("request[1]")
-		if err != nil {
+		if req.RequestIDs, err = r.ids(0, MaxRenewIDs); err != nil {
 			return Request{}, err
 		}
-		if m > MaxRenewIDs {
-			return Request{}, r.errf("request[1]", "%d request ids, at most %d", m, MaxRenewIDs)
+		rest--
+	case MsgDoneBatch:
+		req.Kind = KindDoneBatch
+		if n < 2 {
+			return Request{}, r.errf("request", "done_batch_msg without request ids")
 		}
-		req.RequestIDs = make([]string, m) // m ≤ bytes left: arrayLen checked it
-		for i := range req.RequestIDs {
-			if req.RequestIDs[i], err = r.str("request[1][" + strconv.Itoa(i) + "]"); err != nil {
-				return Request{}, err
-			}
+		if req.RequestIDs, err = r.ids(1, MaxDoneBatchIDs); err != nil {
+			return Request{}, err
 		}
 		rest--
 	default:
@@ -255,6 +292,27 @@ func DecodeRequest(b []byte) (Request, error) {
 		return Request{}, r.errf("request", "%d trailing bytes", r.remaining())
 	}
 	return req, nil
+}
+
+// ids reads request[1], an array of lo..hi UTF-8 strs.
+func (r *reader) ids(lo, hi int) ([]string, error) {
+	const field = "request[1]"
+	start := r.off
+	m, err := r.arrayLen(field)
+	if err != nil {
+		return nil, err
+	}
+	if m < lo || m > hi {
+		r.off = start
+		return nil, r.errf(field, "%d request ids, want %d..%d", m, lo, hi)
+	}
+	ids := make([]string, m) // m ≤ bytes left: arrayLen checked it
+	for i := range ids {
+		if ids[i], err = r.str(field + "[" + strconv.Itoa(i) + "]"); err != nil {
+			return nil, err
+		}
+	}
+	return ids, nil
 }
 
 // AppendMetadata appends m as msgspec encodes MooncakeAgentMetadata: a map
@@ -295,6 +353,9 @@ func appendExt(dst []byte, e Ext) []byte {
 	if e.LeaseTTL > 0 {
 		n++
 	}
+	if e.BatchDone {
+		n++
+	}
 	dst = appendMapLen(dst, n)
 	if e.BootEpoch != 0 {
 		dst = appendStr(dst, keyBootEpoch)
@@ -303,6 +364,10 @@ func appendExt(dst []byte, e Ext) []byte {
 	if e.LeaseTTL > 0 {
 		dst = appendStr(dst, keyLeaseTTLMs)
 		dst = appendUint(dst, leaseMillis(e.LeaseTTL))
+	}
+	if e.BatchDone {
+		dst = appendStr(dst, keyBatchDone)
+		dst = append(dst, 0xc3) // true
 	}
 	return dst
 }
@@ -424,7 +489,7 @@ func (r *reader) ext() (Ext, error) {
 	if err != nil {
 		return e, err
 	}
-	seenEpoch, seenLease := false, false
+	seenEpoch, seenLease, seenBatch := false, false, false
 	for i := 0; i < n; i++ {
 		key, err := r.str(keyKvflow + " key")
 		if err != nil {
@@ -450,6 +515,12 @@ func (r *reader) ext() (Ext, error) {
 				return Ext{}, r.errf(field, "%d ms does not fit in a duration", ms)
 			}
 			e.LeaseTTL = time.Duration(ms) * time.Millisecond
+		case keyBatchDone:
+			if seenBatch {
+				return Ext{}, r.errf(field, "duplicate key")
+			}
+			seenBatch = true
+			e.BatchDone, err = r.bool(field)
 		default:
 			err = r.skip(field, 2)
 		}

@@ -214,6 +214,80 @@ func TestRenewBytes(t *testing.T) {
 	}
 }
 
+// TestDoneBatchBytes pins done_batch_msg's bytes (golden): a msgpack array
+// like the seed's requests, bin tag "done_batch_msg", then a non-empty array
+// of str ids; and the bounds of one message.
+func TestDoneBatchBytes(t *testing.T) {
+	b := EncodeDoneBatch([]string{"a", "b"})
+	const golden = "92" + "c40e" + "646f6e655f62617463685f6d7367" + "92" + "a161" + "a162"
+	if got := hex.EncodeToString(b); got != golden {
+		t.Fatalf("done_batch bytes %s, want %s", got, golden)
+	}
+	var generic []any
+	if err := msgpack.Unmarshal(b, &generic); err != nil {
+		t.Fatal(err)
+	}
+	if len(generic) != 2 || string(generic[0].([]byte)) != MsgDoneBatch || !reflect.DeepEqual(generic[1], []any{"a", "b"}) {
+		t.Fatalf("generic decode: %#v", generic)
+	}
+	ids := make([]string, MaxDoneBatchIDs)
+	for i := range ids {
+		ids[i] = strings.Repeat("x", 200) + strconv.Itoa(i)
+	}
+	big := EncodeDoneBatch(ids)
+	if len(big) >= 1<<20 {
+		t.Fatalf("a full batch of 200-byte ids is %d bytes: over the server's 1 MiB limit", len(big))
+	}
+	got, err := DecodeRequest(big)
+	if err != nil || got.Kind != KindDoneBatch || !reflect.DeepEqual(got.RequestIDs, ids) {
+		t.Fatalf("round trip of %d ids: %v", len(ids), err)
+	}
+	if !reflect.DeepEqual(EncodeRequest(got), big) {
+		t.Fatal("EncodeRequest(KindDoneBatch) differs")
+	}
+	if KindDoneBatch.String() != "done_batch" {
+		t.Fatal(KindDoneBatch.String())
+	}
+	_, err = DecodeRequest(EncodeDoneBatch(nil))
+	if !errors.Is(err, ErrMalformed) || !strings.Contains(err.Error(), "0 request ids") {
+		t.Fatalf("empty batch: %v", err)
+	}
+}
+
+// TestMetadataBatchDone: "batch_done": true in the kvflow map, omitted
+// when false; false and non-bool values on the wire.
+func TestMetadataBatchDone(t *testing.T) {
+	base := Metadata{EngineID: "e", TERPCPort: 1, KVCachesBaseAddr: []uint64{7}, NumBlocks: 2}
+	plain := EncodeMetadata(base)
+	m := base
+	m.Ext = Ext{BootEpoch: 3, LeaseTTL: time.Second, BatchDone: true}
+	b := EncodeMetadata(m)
+	want := append(append([]byte{0x85}, plain[1:]...), build("kvflow", []byte{0x83}, "boot_epoch", 3, "lease_ttl_ms", 1000, "batch_done", []byte{0xc3})...)
+	if !bytes.Equal(b, want) {
+		t.Fatalf("%x, want %x", b, want)
+	}
+	if got, err := DecodeMetadata(b); err != nil || !reflect.DeepEqual(got, m) {
+		t.Fatalf("round trip: %+v %v", got, err)
+	}
+	m.Ext = Ext{BatchDone: true}
+	if got := EncodeMetadata(m); !bytes.Equal(got, append(append([]byte{0x85}, plain[1:]...), build("kvflow", []byte{0x81}, "batch_done", []byte{0xc3})...)) {
+		t.Fatalf("batch_done only: %x", got)
+	}
+	head := build([]byte{0x85}, "engine_id", "E", "te_rpc_port", 1, "kv_caches_base_addr", []byte{0x90}, "num_blocks", 1, "kvflow")
+	if got, err := DecodeMetadata(build(head, []byte{0x81}, "batch_done", []byte{0xc2})); err != nil || got.Ext.BatchDone {
+		t.Fatalf("batch_done false: %+v %v", got.Ext, err)
+	}
+	for name, tail := range map[string][]byte{
+		"int":       build([]byte{0x81}, "batch_done", 1),
+		"nil":       build([]byte{0x81}, "batch_done", []byte{0xc0}),
+		"duplicate": build([]byte{0x82}, "batch_done", []byte{0xc3}, "batch_done", []byte{0xc3}),
+	} {
+		if _, err := DecodeMetadata(build(head, tail)); !errors.Is(err, ErrMalformed) || !strings.Contains(err.Error(), "batch_done") {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+}
+
 func TestMetadataLeaseTTL(t *testing.T) {
 	base := Metadata{EngineID: "e", TERPCPort: 1, KVCachesBaseAddr: []uint64{7}, NumBlocks: 2}
 	plain := EncodeMetadata(base)
@@ -406,6 +480,18 @@ func TestDecodeRequest(t *testing.T) {
 		{"renew str ids", build([]byte{0x92, 0xc4, 9}, []byte("renew_msg"), "r"), Request{}, ErrMalformed},
 		{"renew int id", build([]byte{0x92, 0xc4, 9}, []byte("renew_msg"), []byte{0x92}, "r", 5), Request{}, ErrMalformed},
 		{"renew too many", EncodeRenew(make([]string, MaxRenewIDs+1)), Request{}, ErrMalformed},
+		{"done_batch", EncodeDoneBatch([]string{"a", "b", "a"}), Request{Kind: KindDoneBatch, RequestIDs: []string{"a", "b", "a"}}, nil},
+		{"done_batch empty id", EncodeDoneBatch([]string{""}), Request{Kind: KindDoneBatch, RequestIDs: []string{""}}, nil},
+		{"done_batch extra", build([]byte{0x93, 0xc4, 14}, []byte("done_batch_msg"), []byte{0x91}, "r", 7), Request{Kind: KindDoneBatch, RequestIDs: []string{"r"}}, nil},
+		{"done_batch none", EncodeDoneBatch(nil), Request{}, ErrMalformed},
+		{"done_batch no ids", build([]byte{0x91, 0xc4, 14}, []byte("done_batch_msg")), Request{}, ErrMalformed},
+		{"done_batch str ids", build([]byte{0x92, 0xc4, 14}, []byte("done_batch_msg"), "r"), Request{}, ErrMalformed},
+		{"done_batch int id", build([]byte{0x92, 0xc4, 14}, []byte("done_batch_msg"), []byte{0x92}, "r", 5), Request{}, ErrMalformed},
+		{"done_batch bin id", build([]byte{0x92, 0xc4, 14}, []byte("done_batch_msg"), []byte{0x91, 0xc4, 1, 'r'}), Request{}, ErrMalformed},
+		{"done_batch nil ids", build([]byte{0x92, 0xc4, 14}, []byte("done_batch_msg"), []byte{0xc0}), Request{}, ErrMalformed},
+		{"done_batch too many", EncodeDoneBatch(make([]string, MaxDoneBatchIDs+1)), Request{}, ErrMalformed},
+		{"done_batch truncated", EncodeDoneBatch([]string{"abc"})[:19], Request{}, ErrMalformed},
+		{"done_batch huge count", build([]byte{0x92, 0xc4, 14}, []byte("done_batch_msg"), []byte{0xdd, 0, 0, 0x10, 0x01}), Request{}, ErrMalformed},
 		{"renew truncated", EncodeRenew([]string{"abc"})[:14], Request{}, ErrMalformed},
 	}
 	for _, c := range cases {
@@ -481,6 +567,9 @@ func seedCorpus(f *testing.F) {
 	f.Add(EncodeMetadata(Metadata{EngineID: "e", KVCachesBaseAddr: []uint64{1}, Ext: Ext{BootEpoch: 3}}))
 	f.Add(EncodeMetadata(Metadata{EngineID: "e", KVCachesBaseAddr: []uint64{1}, Ext: Ext{LeaseTTL: time.Second}}))
 	f.Add(EncodeRenew([]string{"a", "bc"}))
+	f.Add(EncodeDoneBatch([]string{"a", "bc", "a"}))
+	f.Add(EncodeDoneBatch(nil))
+	f.Add(EncodeMetadata(Metadata{EngineID: "e", KVCachesBaseAddr: []uint64{1}, Ext: Ext{BootEpoch: 1, LeaseTTL: time.Second, BatchDone: true}}))
 	f.Add([]byte("ACK"))
 	f.Add([]byte("ERR x"))
 }
@@ -494,6 +583,9 @@ func FuzzDecodeRequest(f *testing.F) {
 				t.Fatalf("unclassified error %v", err)
 			}
 			return
+		}
+		if req.Kind == KindDoneBatch && (len(req.RequestIDs) < 1 || len(req.RequestIDs) > MaxDoneBatchIDs) {
+			t.Fatalf("accepted a done_batch_msg of %d ids", len(req.RequestIDs))
 		}
 		// Re-encoding gives the canonical form, which decodes to the same request.
 		again, err := DecodeRequest(EncodeRequest(req))

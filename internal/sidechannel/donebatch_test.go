@@ -1,0 +1,520 @@
+package sidechannel
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"reflect"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/kvflow/kvflow/internal/sidechannel/wire"
+)
+
+// gatedHandler records DONEs; while gate is set, Done signals entered and
+// waits for the gate (so a test can hold a message in flight).
+type gatedHandler struct {
+	md Metadata
+
+	mu      sync.Mutex
+	dones   []string
+	gate    chan struct{}
+	entered chan string
+}
+
+func (h *gatedHandler) Metadata() Metadata { return h.md }
+
+func (h *gatedHandler) Done(id string) error {
+	h.mu.Lock()
+	gate, entered := h.gate, h.entered
+	h.mu.Unlock()
+	if gate != nil {
+		entered <- id
+		<-gate
+	}
+	h.mu.Lock()
+	h.dones = append(h.dones, id)
+	h.mu.Unlock()
+	return nil
+}
+
+func (h *gatedHandler) hold() (release func()) {
+	gate := make(chan struct{})
+	h.mu.Lock()
+	h.gate, h.entered = gate, make(chan string, 1)
+	h.mu.Unlock()
+	return func() {
+		h.mu.Lock()
+		h.gate = nil
+		h.mu.Unlock()
+		close(gate)
+	}
+}
+
+func (h *gatedHandler) doneIDs() []string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return slices.Clone(h.dones)
+}
+
+// pendingDones is how many SendDoneBatched callers wait unsent for addr.
+func pendingDones(c *Client, addr string) int {
+	c.mu.Lock()
+	p := c.peers[addr]
+	c.mu.Unlock()
+	if p == nil {
+		return 0
+	}
+	p.bmu.Lock()
+	defer p.bmu.Unlock()
+	return len(p.pending)
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+// TestDoneBatchServer drives the server with raw done_batch_msg frames:
+// every id is handed to Done once, in order (duplicates twice), one ACK per
+// message; bad payloads get "ERR" and the server keeps serving.
+func TestDoneBatchServer(t *testing.T) {
+	e := newEnv(t)
+	h := &recorder{md: testMeta}
+	s := e.server(t, h, ServerOptions{})
+	d := e.dealer(t, s.Addr(), nil)
+	roundTrip := func(payload []byte) string {
+		t.Helper()
+		if _, err := d.SendMessage([]byte{}, payload); err != nil {
+			t.Fatal(err)
+		}
+		got, err := d.RecvMessageBytes(0)
+		if err != nil || len(got) != 2 || len(got[0]) != 0 {
+			t.Fatalf("reply %q %v", got, err)
+		}
+		return string(got[1])
+	}
+	ids := []string{"a", "b", "", "héllo", "a"}
+	if r := roundTrip(wire.EncodeDoneBatch(ids)); r != "ACK" {
+		t.Fatalf("reply %q", r)
+	}
+	if got := h.doneIDs(); !reflect.DeepEqual(got, ids) {
+		t.Fatalf("Done calls %q, want %q", got, ids)
+	}
+	tag := []byte("\xc4\x0edone_batch_msg")
+	for name, payload := range map[string][]byte{
+		"empty":     wire.EncodeDoneBatch(nil),
+		"no ids":    append([]byte{0x91}, tag...),
+		"str ids":   append(append([]byte{0x92}, tag...), 0xa1, 'r'),
+		"int id":    append(append([]byte{0x92}, tag...), 0x91, 0x05),
+		"bin id":    append(append([]byte{0x92}, tag...), 0x91, 0xc4, 0x01, 'r'),
+		"too many":  wire.EncodeDoneBatch(make([]string, wire.MaxDoneBatchIDs+1)),
+		"truncated": wire.EncodeDoneBatch([]string{"abc"})[:19],
+	} {
+		if r := roundTrip(payload); !strings.HasPrefix(r, "ERR decode") {
+			t.Errorf("%s: reply %q", name, r)
+		}
+	}
+	if got := h.doneIDs(); len(got) != len(ids) {
+		t.Fatalf("bad messages reached the handler: %q", got)
+	}
+	if v := metric(t, e, "kvflow_sidechannel_bad_messages_total", map[string]string{"reason": "decode"}); v != 7 {
+		t.Errorf("bad decode messages %v, want 7", v)
+	}
+	c := e.client(t, fastClientOpts())
+	if _, err := c.GetMeta(context.Background(), s.Addr()); err != nil {
+		t.Fatalf("server must keep serving: %v", err)
+	}
+	if err := c.SendDoneBatched(context.Background(), s.Addr(), "after"); err != nil {
+		t.Fatal(err)
+	}
+
+	// A Done error is ACKed; a panic answers ERR, and the other ids of the
+	// message are still handed over.
+	h.mu.Lock()
+	h.err = errors.New("unknown request")
+	h.mu.Unlock()
+	if r := roundTrip(wire.EncodeDoneBatch([]string{"x", "y"})); r != "ACK" {
+		t.Fatalf("handler error: reply %q", r)
+	}
+	s2 := e.server(t, HandlerFuncs{DoneFunc: func(id string) error {
+		if id == "boom" {
+			panic("boom")
+		}
+		h.mu.Lock()
+		h.dones = append(h.dones, id)
+		h.mu.Unlock()
+		return nil
+	}}, ServerOptions{})
+	var re *RemoteError
+	if err := c.SendDoneBatched(context.Background(), s2.Addr(), "boom"); !errors.As(err, &re) || re.Reason != "internal error" {
+		t.Fatalf("panicking handler: %v", err)
+	}
+	d2 := e.dealer(t, s2.Addr(), nil)
+	if _, err := d2.SendMessage([]byte{}, wire.EncodeDoneBatch([]string{"p", "boom", "q"})); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := d2.RecvMessageBytes(0); err != nil || string(got[1]) != "ERR internal error" {
+		t.Fatalf("panic mid-batch: %q %v", got, err)
+	}
+	if got := h.doneIDs(); !reflect.DeepEqual(got[len(got)-2:], []string{"p", "q"}) {
+		t.Fatalf("Done calls %q: the ids around a panic must still be handed over", got)
+	}
+	if _, err := c.GetMeta(context.Background(), s2.Addr()); err != nil {
+		t.Fatalf("server must survive a handler panic: %v", err)
+	}
+	if v := serverRequests(t, e, "done_batch", "ok", 2); v != 2 {
+		t.Errorf("server done_batch ok %v, want 2", v)
+	}
+	if v := serverRequests(t, e, "done_batch", "handler_error", 3); v != 3 {
+		t.Errorf("server done_batch handler_error %v, want 3", v)
+	}
+	if v := metric(t, e, "kvflow_sidechannel_done_batch_ids", map[string]string{"role": "server"}); v != 5 {
+		t.Errorf("server batch-size samples %v, want 5", v)
+	}
+}
+
+// TestDoneBatchGroupCommit: while one message is in flight, DONEs to the
+// same peer queue and go out together in the next; every caller gets the
+// ACK of its message; nothing is delivered twice.
+func TestDoneBatchGroupCommit(t *testing.T) {
+	e := newEnv(t)
+	h := &gatedHandler{md: testMeta}
+	s := e.server(t, h, ServerOptions{})
+	opts := fastClientOpts()
+	opts.AttemptTimeout = 10 * time.Second // the held message must not time out
+	opts.MaxDoneBatchesPerPeer = 1
+	c := e.client(t, opts)
+	ctx := context.Background()
+
+	release := h.hold()
+	first := make(chan error, 1)
+	go func() { first <- c.SendDoneBatched(ctx, s.Addr(), "first") }()
+	if id := <-h.entered; id != "first" {
+		t.Fatalf("entered %q", id)
+	}
+	const n = 100
+	errs := make(chan error, n)
+	for i := range n {
+		go func() { errs <- c.SendDoneBatched(ctx, s.Addr(), fmt.Sprint("r", i)) }()
+	}
+	waitFor(t, "callers to queue", func() bool { return pendingDones(c, s.Addr()) == n })
+	release()
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	for range n {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	got := h.doneIDs()
+	if len(got) != n+1 || got[0] != "first" {
+		t.Fatalf("%d DONEs delivered, first %q", len(got), got[0])
+	}
+	seen := map[string]int{}
+	for _, id := range got {
+		seen[id]++
+	}
+	for id, k := range seen {
+		if k != 1 {
+			t.Errorf("%s delivered %d times", id, k)
+		}
+	}
+	if v := requests(t, e, "client", "done_batch", "ok"); v != 2 {
+		t.Errorf("client messages %v, want 2 (one, then the %d queued)", v, n)
+	}
+	if v := serverRequests(t, e, "done_batch", "ok", 2); v != 2 {
+		t.Errorf("server messages %v, want 2", v)
+	}
+	if v := requests(t, e, "client", "done", "ok"); v != 0 {
+		t.Errorf("plain DONEs %v", v)
+	}
+}
+
+// TestDoneBatchConcurrent: many concurrent callers to one peer, with the
+// default limit of messages in flight: every id arrives exactly once, in
+// fewer messages than ids.
+func TestDoneBatchConcurrent(t *testing.T) {
+	e := newEnv(t)
+	h := &recorder{md: testMeta}
+	s := e.server(t, h, ServerOptions{})
+	opts := fastClientOpts()
+	opts.AttemptTimeout = 5 * time.Second
+	c := e.client(t, opts)
+	const workers, per = 32, 50
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			for i := range per {
+				if err := c.SendDoneBatched(context.Background(), s.Addr(), fmt.Sprintf("w%d-%d", w, i)); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	got := h.doneIDs()
+	if len(got) != workers*per {
+		t.Fatalf("%d DONEs delivered, want %d", len(got), workers*per)
+	}
+	seen := map[string]bool{}
+	for _, id := range got {
+		if seen[id] {
+			t.Fatalf("%s delivered twice", id)
+		}
+		seen[id] = true
+	}
+	msgs := requests(t, e, "client", "done_batch", "ok")
+	t.Logf("%d DONEs in %v messages", workers*per, msgs)
+	if msgs >= workers*per || msgs < 1 {
+		t.Errorf("%v messages for %d DONEs: no batching", msgs, workers*per)
+	}
+	if v := metric(t, e, "kvflow_sidechannel_done_batch_ids", map[string]string{"role": "client"}); v != msgs {
+		t.Errorf("batch-size samples %v, messages %v", v, msgs)
+	}
+}
+
+// TestDoneBatchCancel: a caller whose ctx ends returns at once; if its id
+// was not yet sent it never is; one already on the wire may still be
+// delivered; the other callers are unaffected.
+func TestDoneBatchCancel(t *testing.T) {
+	e := newEnv(t)
+	h := &gatedHandler{md: testMeta}
+	s := e.server(t, h, ServerOptions{})
+	opts := fastClientOpts()
+	opts.AttemptTimeout = 10 * time.Second
+	opts.MaxDoneBatchesPerPeer = 1
+	c := e.client(t, opts)
+
+	release := h.hold()
+	ctxA, cancelA := context.WithCancel(context.Background())
+	errA := make(chan error, 1)
+	go func() { errA <- c.SendDoneBatched(ctxA, s.Addr(), "a") }()
+	<-h.entered // "a" is on the wire, held by the server
+	ctxB, cancelB := context.WithCancel(context.Background())
+	errB, errC := make(chan error, 1), make(chan error, 1)
+	go func() { errB <- c.SendDoneBatched(ctxB, s.Addr(), "b") }()
+	go func() { errC <- c.SendDoneBatched(context.Background(), s.Addr(), "c") }()
+	waitFor(t, "b and c to queue", func() bool { return pendingDones(c, s.Addr()) == 2 })
+
+	start := time.Now()
+	cancelA()
+	cancelB()
+	for name, ch := range map[string]chan error{"a": errA, "b": errB} {
+		select {
+		case err := <-ch:
+			if !errors.Is(err, context.Canceled) {
+				t.Fatalf("%s: want context.Canceled, got %v", name, err)
+			}
+		case <-time.After(time.Second):
+			t.Fatalf("%s: cancel not prompt", name)
+		}
+	}
+	if d := time.Since(start); d > 500*time.Millisecond {
+		t.Fatalf("cancel took %v", d)
+	}
+	release()
+	if err := <-errC; err != nil {
+		t.Fatalf("c: %v", err)
+	}
+	// a was already sent (delivered anyway); b was not (dropped).
+	if got := h.doneIDs(); !reflect.DeepEqual(got, []string{"a", "c"}) {
+		t.Fatalf("delivered %q, want [a c]", got)
+	}
+	// a's message was its own (sent inline, as SendDone): counted canceled.
+	if ok, canceled := requests(t, e, "client", "done_batch", "ok"), requests(t, e, "client", "done_batch", "canceled"); ok != 1 || canceled != 1 {
+		t.Errorf("messages ok %v canceled %v, want 1 and 1", ok, canceled)
+	}
+}
+
+// TestDoneBatchClose: Close fails every waiting caller (sent or queued)
+// with ErrClosed, promptly, and leaves no goroutine behind (TestMain).
+func TestDoneBatchClose(t *testing.T) {
+	e := newEnv(t)
+	addr := e.blackHole(t)
+	opts := fastClientOpts()
+	opts.AttemptTimeout = 30 * time.Second
+	opts.MaxDoneBatchesPerPeer = 1
+	c, err := NewClient(e.zctx, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 10
+	errs := make(chan error, n)
+	go func() { errs <- c.SendDoneBatched(context.Background(), addr, "first") }()
+	waitFor(t, "the first message", func() bool { return pendingDones(c, addr) == 0 && peerBatchers(c, addr) == 1 })
+	for i := range n - 1 {
+		go func() { errs <- c.SendDoneBatched(context.Background(), addr, fmt.Sprint(i)) }()
+	}
+	waitFor(t, "callers to queue", func() bool { return pendingDones(c, addr) == n-1 })
+	start := time.Now()
+	if err := c.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for range n {
+		if err := <-errs; !errors.Is(err, ErrClosed) {
+			t.Fatalf("want ErrClosed, got %v", err)
+		}
+	}
+	if d := time.Since(start); d > time.Second {
+		t.Fatalf("Close took %v", d)
+	}
+	if err := c.SendDoneBatched(context.Background(), addr, "late"); !errors.Is(err, ErrClosed) {
+		t.Fatalf("after Close: %v", err)
+	}
+}
+
+func peerBatchers(c *Client, addr string) int {
+	c.mu.Lock()
+	p := c.peers[addr]
+	c.mu.Unlock()
+	if p == nil {
+		return 0
+	}
+	p.bmu.Lock()
+	defer p.bmu.Unlock()
+	return p.batchers
+}
+
+// TestDoneBatchAdvertised: the flag travels in GET_META; a batch never
+// exceeds the wire limit.
+func TestDoneBatchAdvertised(t *testing.T) {
+	e := newEnv(t)
+	md := testMeta
+	md.Ext = Ext{BatchDone: true}
+	h := &gatedHandler{md: md}
+	s := e.server(t, h, ServerOptions{})
+	opts := fastClientOpts()
+	opts.AttemptTimeout = 10 * time.Second
+	opts.MaxDoneBatchesPerPeer = 1
+	c := e.client(t, opts)
+	got, err := c.GetMeta(context.Background(), s.Addr())
+	if err != nil || !got.Ext.BatchDone {
+		t.Fatalf("GetMeta: %+v %v", got.Ext, err)
+	}
+	release := h.hold()
+	errs := make(chan error, 1)
+	go func() { errs <- c.SendDoneBatched(context.Background(), s.Addr(), "first") }()
+	<-h.entered
+	n := wire.MaxDoneBatchIDs + 10
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			if err := c.SendDoneBatched(context.Background(), s.Addr(), fmt.Sprint(i)); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	waitFor(t, "callers to queue", func() bool { return pendingDones(c, s.Addr()) == n })
+	release()
+	wg.Wait()
+	if err := <-errs; err != nil {
+		t.Fatal(err)
+	}
+	if d := len(h.doneIDs()); d != n+1 {
+		t.Fatalf("%d delivered, want %d", d, n+1)
+	}
+	if v := requests(t, e, "client", "done_batch", "ok"); v != 3 {
+		t.Errorf("messages %v, want 3 (1, %d, 10)", v, wire.MaxDoneBatchIDs)
+	}
+}
+
+// BenchmarkDone: DONEs from many concurrent callers (64, as a busy decode
+// worker's notify stage) to one loopback peer, plain (one REQ/REP each,
+// MaxConnsPerPeer sockets) against batched with 1, 2 or 4 messages in
+// flight. msgs/op is round trips per DONE.
+func BenchmarkDone(b *testing.B) {
+	for _, callers := range []int{1, 4, 16, 64} {
+		for _, bc := range []struct {
+			name     string
+			inFlight int // 0: plain SendDone
+		}{{"plain", 0}, {"batched-1", 1}, {"batched-2", 2}, {"batched-4", 4}} {
+			b.Run(fmt.Sprintf("callers-%d/%s", callers, bc.name), func(b *testing.B) { benchDone(b, callers, bc.inFlight) })
+		}
+	}
+}
+
+func benchDone(b *testing.B, callers, inFlight int) {
+	zctx, err := NewContext(ContextOptions{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer zctx.Close()
+	s, err := NewServer(zctx, ServerOptions{Addr: "127.0.0.1:0"}, HandlerFuncs{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	c, err := NewClient(zctx, ClientOptions{MaxDoneBatchesPerPeer: max(1, inFlight)})
+	if err != nil {
+		b.Fatal(err)
+	}
+	send, op := c.SendDone, opDone
+	if inFlight > 0 {
+		send, op = c.SendDoneBatched, opDoneBatch
+	}
+	ctx := context.Background()
+	sent := zctx.metrics.requests.WithLabelValues(roleClient, op, outcomeOK)
+	before := testutil.ToFloat64(sent)
+	cpu0 := cpuTime()
+	defer func() { b.ReportMetric(float64(cpuTime()-cpu0)/float64(b.N), "cpu-ns/op") }()
+	b.ResetTimer()
+	if callers == 1 {
+		for b.Loop() {
+			if err := send(ctx, s.Addr(), "cmpl-359143a23f6db725c026160f3cc404bf-0"); err != nil {
+				b.Fatal(err)
+			}
+		}
+		b.ReportMetric((testutil.ToFloat64(sent)-before)/float64(b.N), "msgs/op")
+		return
+	}
+	b.SetParallelism(max(1, callers/runtime.GOMAXPROCS(0)))
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			if err := send(ctx, s.Addr(), "cmpl-359143a23f6db725c026160f3cc404bf-0"); err != nil {
+				b.Error(err)
+				return
+			}
+		}
+	})
+	b.StopTimer()
+	b.ReportMetric((testutil.ToFloat64(sent)-before)/float64(b.N), "msgs/op")
+}
+
+// cpuTime is the process's user+system CPU time (client and server both
+// run in the benchmark's process).
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+func TestDoneBatchOptions(t *testing.T) {
+	if err := (ClientOptions{MaxConnsPerPeer: 1}).Validate(); err != nil {
+		t.Fatalf("default batches clamp to MaxConnsPerPeer: %v", err)
+	}
+	if o := (ClientOptions{}).withDefaults(); o.MaxDoneBatchesPerPeer != 2 {
+		t.Fatalf("default MaxDoneBatchesPerPeer %d", o.MaxDoneBatchesPerPeer)
+	}
+	for _, o := range []ClientOptions{{MaxConnsPerPeer: 2, MaxDoneBatchesPerPeer: 3}, {MaxDoneBatchesPerPeer: -1}} {
+		if err := o.Validate(); err == nil || !strings.Contains(err.Error(), "MaxDoneBatchesPerPeer") {
+			t.Errorf("%+v: %v", o, err)
+		}
+	}
+}
