@@ -53,14 +53,26 @@ type Backend struct {
 // before the request gets an error (the engine retries it next step).
 var LoadTimeout = 5 * time.Second
 
-// Concurrent is how many control requests are served at once, each on its
-// own goroutine: a load waiting (up to LoadTimeout) for room in a full
+// background picks the control requests that change a worker's state
+// (load, send, abort). The socket serves them one at a time, in arrival
+// order, on a goroutine of their own, while finished and status polls are
+// answered at once: a load waiting (up to LoadTimeout) for room in a full
 // pipeline must not hold up the engine's finished polls, whose replies
-// carry the completion times. Measured: with one at a time, the last
-// loads of a 512-request burst blocked 55-130 ms and every finished poll
-// behind them waited as long. 8 covers the engine's own client plus
-// operators' tools.
-var Concurrent = 8
+// carry the completion times (measured: the last loads of a 512-request
+// burst blocked 55-130 ms and every poll behind them waited as long),
+// and an abort must still see the loads that arrived before it. A
+// message that does not decode is answered at once (with its error).
+func background(payload []byte) bool {
+	req, err := Decode(payload)
+	if err != nil {
+		return false
+	}
+	switch req.Op {
+	case "load", "send", "abort":
+		return true
+	}
+	return false
+}
 
 // MaxRequests bounds the requests of one message.
 const MaxRequests = 1 << 16
@@ -344,7 +356,7 @@ func Serve(ctx context.Context, zctx *sidechannel.Context, endpoint string, b Ba
 	if !strings.HasPrefix(endpoint, "tcp://") {
 		curve = nil
 	}
-	srv, err := sidechannel.NewRouter(zctx, sidechannel.ServerOptions{Addr: endpoint, MaxMessageBytes: 64 << 20, Curve: curve, Concurrent: Concurrent},
+	srv, err := sidechannel.NewRouter(zctx, sidechannel.ServerOptions{Addr: endpoint, MaxMessageBytes: 64 << 20, Curve: curve, Background: background},
 		func(p []byte) []byte { return Encode(Dispatch(ctx, b, p)) })
 	if err != nil {
 		return nil, fmt.Errorf("control socket %s: %w", endpoint, err)

@@ -1,10 +1,10 @@
 // Package control is the engine-facing control socket of one kvflow
 // worker: a ZMQ ROUTER (ipc:// by default) speaking msgpack maps, one
 // request and one reply at a time per peer (REQ-style), mirroring the
-// worker API of the seed (start_load_kv / get_finished). Requests of
-// different peers are served concurrently (up to Concurrent at once), so a
-// load waiting for room in a full pipeline does not delay another peer's
-// finished poll:
+// worker API of the seed (start_load_kv / get_finished). load, send and
+// abort are served one at a time in arrival order on a goroutine of their
+// own; finished and status are answered at once, so a load waiting for
+// room in a full pipeline does not delay a finished poll:
 //
 //	{"op":"load",  "requests":[{request_id, local_block_ids, kv_transfer_params}]}   decode
 //	{"op":"send",  "requests":[{request_id, delay_start_time, block_ids}]}          prefill

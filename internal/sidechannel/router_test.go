@@ -37,17 +37,25 @@ func routerCall(t *testing.T, e *testEnv, endpoint string, payload []byte, wait 
 	return s.RecvBytes(0)
 }
 
-// TestRouterConcurrent: with ServerOptions.Concurrent, a handler call that
-// blocks (a load waiting for room) does not hold up other peers' calls;
-// its own reply comes when it returns; Close waits for calls in flight.
-// Without it, calls run one at a time (the fast one waits).
-func TestRouterConcurrent(t *testing.T) {
-	for _, conc := range []int{0, 4} {
-		t.Run(fmt.Sprintf("concurrent=%d", conc), func(t *testing.T) {
+// isSlow picks the payloads the tests serve in the background.
+func isSlow(p []byte) bool { return bytes.HasPrefix(p, []byte("slow")) }
+
+// TestRouterBackground: with ServerOptions.Background, a picked request
+// that blocks (a load waiting for room) does not hold up the others (a
+// finished poll), even while more picked requests queue behind it; its
+// own reply comes when it returns. Without Background, requests run one
+// at a time (the fast one waits).
+func TestRouterBackground(t *testing.T) {
+	for _, bg := range []bool{false, true} {
+		t.Run(fmt.Sprintf("background=%v", bg), func(t *testing.T) {
 			e := newEnv(t)
 			gate := make(chan struct{})
-			r, err := NewRouter(e.zctx, ServerOptions{Addr: "tcp://127.0.0.1:0", Concurrent: conc}, func(p []byte) []byte {
-				if bytes.Equal(p, []byte("slow")) {
+			opts := ServerOptions{Addr: "tcp://127.0.0.1:0"}
+			if bg {
+				opts.Background = isSlow
+			}
+			r, err := NewRouter(e.zctx, opts, func(p []byte) []byte {
+				if isSlow(p) {
 					<-gate
 				}
 				return append([]byte("re:"), p...)
@@ -57,24 +65,34 @@ func TestRouterConcurrent(t *testing.T) {
 			}
 			ep := "tcp://" + r.Addr()
 			var wg sync.WaitGroup
-			var slow []byte
-			var slowErr error
-			wg.Go(func() { slow, slowErr = routerCall(t, e, ep, []byte("slow"), 10*time.Second) })
-			// Give the slow call time to reach the handler, so the fast
-			// one arrives while it blocks.
+			slow := make([][]byte, 3)
+			slowErr := make([]error, 3)
+			for i := range slow {
+				wg.Go(func() { slow[i], slowErr[i] = routerCall(t, e, ep, []byte(fmt.Sprint("slow", i)), 10*time.Second) })
+			}
+			// Let the slow calls reach the server, so the fast ones
+			// arrive while the first blocks and the others queue.
 			time.Sleep(100 * time.Millisecond)
-			fast, err := routerCall(t, e, ep, []byte("fast"), time.Second)
-			if conc > 1 {
-				if err != nil || string(fast) != "re:fast" {
-					t.Errorf("fast call behind a blocked one: %q, %v", fast, err)
+			for range 3 {
+				fast, err := routerCall(t, e, ep, []byte("fast"), time.Second)
+				if bg {
+					if err != nil || string(fast) != "re:fast" {
+						t.Errorf("fast call behind a blocked one: %q, %v", fast, err)
+					}
+				} else if err == nil {
+					t.Errorf("one at a time: fast call answered (%q) while the slow one blocks", fast)
+					break
 				}
-			} else if err == nil {
-				t.Errorf("one at a time: fast call answered (%q) while the slow one blocks", fast)
+				if !bg {
+					break
+				}
 			}
 			close(gate)
 			wg.Wait()
-			if slowErr != nil || string(slow) != "re:slow" {
-				t.Errorf("slow call: %q, %v", slow, slowErr)
+			for i := range slow {
+				if slowErr[i] != nil || string(slow[i]) != fmt.Sprint("re:slow", i) {
+					t.Errorf("slow call %d: %q, %v", i, slow[i], slowErr[i])
+				}
 			}
 			if err := r.Close(); err != nil {
 				t.Fatal(err)
@@ -83,12 +101,54 @@ func TestRouterConcurrent(t *testing.T) {
 	}
 }
 
-// TestRouterConcurrentClose: Close with a handler call in flight waits for
-// it (no goroutine outlives the server) and its reply is dropped.
-func TestRouterConcurrentClose(t *testing.T) {
+// TestRouterBackgroundOrder: picked requests are handled in arrival
+// order, one at a time.
+func TestRouterBackgroundOrder(t *testing.T) {
+	e := newEnv(t)
+	var mu sync.Mutex
+	var got []string
+	running := 0
+	r, err := NewRouter(e.zctx, ServerOptions{Addr: "tcp://127.0.0.1:0", Background: isSlow}, func(p []byte) []byte {
+		mu.Lock()
+		running++
+		if running > 1 {
+			t.Errorf("%d background calls at once", running)
+		}
+		got = append(got, string(p))
+		mu.Unlock()
+		time.Sleep(2 * time.Millisecond)
+		mu.Lock()
+		running--
+		mu.Unlock()
+		return p
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	ep := "tcp://" + r.Addr()
+	// One REQ socket per call, sent in sequence (each waits for its
+	// reply), then a burst from concurrent sockets: sequence first.
+	for i := range 5 {
+		if _, err := routerCall(t, e, ep, []byte(fmt.Sprint("slow", i)), 5*time.Second); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for i, g := range got {
+		if g != fmt.Sprint("slow", i) {
+			t.Fatalf("background calls in order %v", got)
+		}
+	}
+}
+
+// TestRouterBackgroundClose: Close with a background call in flight waits
+// for it (no goroutine outlives the server) and its reply is dropped.
+func TestRouterBackgroundClose(t *testing.T) {
 	e := newEnv(t)
 	entered, release := make(chan struct{}), make(chan struct{})
-	r, err := NewRouter(e.zctx, ServerOptions{Addr: "tcp://127.0.0.1:0", Concurrent: 2}, func(p []byte) []byte {
+	r, err := NewRouter(e.zctx, ServerOptions{Addr: "tcp://127.0.0.1:0", Background: isSlow}, func(p []byte) []byte {
 		close(entered)
 		<-release
 		return []byte("late")
@@ -99,19 +159,19 @@ func TestRouterConcurrentClose(t *testing.T) {
 	ep := "tcp://" + r.Addr()
 	var caller sync.WaitGroup
 	defer caller.Wait() // the caller's socket closes before the context
-	caller.Go(func() { routerCall(t, e, ep, []byte("x"), 200*time.Millisecond) })
+	caller.Go(func() { routerCall(t, e, ep, []byte("slow"), 200*time.Millisecond) })
 	<-entered
 	closed := make(chan struct{})
 	go func() { r.Close(); close(closed) }()
 	select {
 	case <-closed:
-		t.Fatal("Close returned while a handler call was running")
+		t.Fatal("Close returned while a background call was running")
 	case <-time.After(100 * time.Millisecond):
 	}
 	close(release)
 	select {
 	case <-closed:
 	case <-time.After(5 * time.Second):
-		t.Fatal("Close did not return after the handler call ended")
+		t.Fatal("Close did not return after the background call ended")
 	}
 }

@@ -97,14 +97,16 @@ type ServerOptions struct {
 	Curve *Curve
 	// Logger overrides the context's logger.
 	Logger *slog.Logger
-	// Concurrent (NewRouter only) runs up to this many RawHandler calls at
-	// once, each on its own goroutine, and sends each reply as soon as it
-	// is ready, so one slow call (a load waiting for room in a full
-	// pipeline) does not hold up the others (a finished poll). Replies to
-	// one REQ peer stay in order: it sends its next request only after
-	// the reply. 0 or 1: calls run one at a time on the socket's
-	// goroutine.
-	Concurrent int
+	// Background (NewRouter only), when set, picks the requests that may
+	// block (a load waiting for room in a full pipeline): they are served
+	// one at a time, in arrival order, on a goroutine of their own, and
+	// each reply is sent as soon as it is ready. The other requests (a
+	// finished poll) are served at once on the socket's goroutine, so they
+	// never wait behind a blocked one. Requests Background picks keep
+	// their order among themselves (a load is always handled before an
+	// abort that arrived after it). Nil: every request on the socket's
+	// goroutine, one at a time.
+	Background func(payload []byte) bool
 }
 
 // Server is the ROUTER side of the side channel. One goroutine owns the
@@ -123,16 +125,20 @@ type Server struct {
 	wakeR *zmq.Socket // PAIR; owned by the loop goroutine
 	wakeS *zmq.Socket // PAIR; owned by Close
 
-	// Concurrent raw handlers (opts.Concurrent > 1): a handler queues its
-	// reply and pokes the loop through the inproc PAIR readyS (guarded by
-	// readyMu, which also hands the socket between goroutines); the loop
-	// owns readyR and sends the queued replies on sock.
-	readyR   *zmq.Socket
-	readyS   *zmq.Socket
-	readyMu  sync.Mutex
-	ready    [][2][]byte // (identity, reply) waiting to be sent; readyMu
-	slots    chan struct{}
-	handlers sync.WaitGroup
+	// Background requests (opts.Background): the loop appends them to bg
+	// and kicks the background goroutine, which serves them in order,
+	// queues each reply in ready and pokes the loop through the inproc
+	// PAIR readyS (guarded by readyMu, which also hands the socket between
+	// goroutines); the loop owns readyR and sends the queued replies.
+	readyR  *zmq.Socket
+	readyS  *zmq.Socket
+	readyMu sync.Mutex
+	ready   [][2][]byte // (identity, reply) waiting to be sent; readyMu
+	bgMu    sync.Mutex
+	bg      [][2][]byte // (identity, payload) waiting to be served; bgMu
+	bgKick  chan struct{}
+	bgStop  chan struct{}
+	bgDone  chan struct{}
 
 	done      chan struct{}
 	closeOnce sync.Once
@@ -162,8 +168,10 @@ func NewServer(zctx *Context, opts ServerOptions, h Handler) (_ *Server, err err
 	return newServer(zctx, opts, ep, h, nil)
 }
 
-// RawHandler answers one request payload with one reply payload; it is
-// called on the socket's goroutine, one request at a time.
+// RawHandler answers one request payload with one reply payload. It is
+// called one request at a time on the socket's goroutine, except for the
+// requests ServerOptions.Background picks, which are called one at a time
+// on the background goroutine: the two may run at once.
 type RawHandler func(payload []byte) []byte
 
 // NewRouter binds a ROUTER on a full ZMQ endpoint (tcp://host:port or
@@ -248,7 +256,7 @@ func newServer(zctx *Context, opts ServerOptions, ep endpoint, h Handler, raw Ra
 	if err = s.wakeS.Connect(wake); err != nil {
 		return nil, fmt.Errorf("sidechannel: server: connect %s: %w", wake, err)
 	}
-	if raw != nil && opts.Concurrent > 1 {
+	if raw != nil && opts.Background != nil {
 		ready := zctx.inprocAddr("server-ready")
 		if s.readyR, err = zctx.newSocket(zmq.PAIR); err != nil {
 			return nil, err
@@ -262,7 +270,8 @@ func newServer(zctx *Context, opts ServerOptions, ep endpoint, h Handler, raw Ra
 		if err = s.readyS.Connect(ready); err != nil {
 			return nil, fmt.Errorf("sidechannel: server: connect %s: %w", ready, err)
 		}
-		s.slots = make(chan struct{}, opts.Concurrent)
+		s.bgKick, s.bgStop, s.bgDone = make(chan struct{}, 1), make(chan struct{}), make(chan struct{})
+		go s.background()
 	}
 	s.log = log.With("role", roleServer, "addr", s.addr)
 	if err = zctx.register(s); err != nil {
@@ -328,9 +337,13 @@ func (s *Server) Close() error {
 func (s *Server) loop() {
 	defer close(s.done)
 	defer func() {
-		// Handlers still running finish first (their replies are
-		// dropped): nothing may use readyS once it is closed.
-		s.handlers.Wait()
+		// A background request still running finishes first (its reply
+		// is dropped; those not started are dropped unanswered): nothing
+		// may use readyS once it is closed.
+		if s.bgStop != nil {
+			close(s.bgStop)
+			<-s.bgDone
+		}
 		s.zctx.closeSocket(s.readyS)
 		s.zctx.closeSocket(s.readyR)
 		s.zctx.closeSocket(s.sock)
@@ -575,19 +588,55 @@ func (s *Server) callRenew(rn Renewer, ids []string) (err error) {
 }
 
 func (s *Server) handleRaw(id, payload []byte) {
-	if s.slots == nil {
-		s.callRaw(id, payload)
+	if s.bgKick != nil && s.opts.Background(payload) {
+		s.bgMu.Lock()
+		s.bg = append(s.bg, [2][]byte{id, payload})
+		s.bgMu.Unlock()
+		select {
+		case s.bgKick <- struct{}{}:
+		default: // a kick is pending: the goroutine takes all queued
+		}
 		return
 	}
-	// At the limit the loop waits for a running call to end; none waits
-	// for the loop, so this cannot deadlock.
-	s.slots <- struct{}{}
-	s.handlers.Add(1)
-	go func() {
-		defer s.handlers.Done()
-		defer func() { <-s.slots }()
-		s.callRaw(id, payload)
-	}()
+	if err := s.reply(id, s.callRaw(payload)); err != nil {
+		s.log.Warn("router reply failed", "err", err)
+	}
+}
+
+// background serves the background requests in arrival order until the
+// loop stops it. It is started and waited for by the loop.
+func (s *Server) background() {
+	defer close(s.bgDone)
+	for {
+		select {
+		case <-s.bgStop:
+			return
+		case <-s.bgKick:
+		}
+		for {
+			s.bgMu.Lock()
+			if len(s.bg) == 0 {
+				s.bgMu.Unlock()
+				break
+			}
+			r := s.bg[0]
+			s.bg[0] = [2][]byte{}
+			s.bg = s.bg[1:]
+			s.bgMu.Unlock()
+			select {
+			case <-s.bgStop:
+				return
+			default:
+			}
+			reply := s.callRaw(r[1])
+			s.readyMu.Lock()
+			s.ready = append(s.ready, [2][]byte{r[0], reply})
+			// A poke that does not fit is not needed: one is pending,
+			// and the loop takes every queued reply when it wakes.
+			s.readyS.SendBytes([]byte{0}, zmq.DONTWAIT)
+			s.readyMu.Unlock()
+		}
+	}
 }
 
 // sendReady drains the ready PAIR's pokes and sends every queued reply.
@@ -609,29 +658,14 @@ func (s *Server) sendReady() {
 	}
 }
 
-// callRaw runs the raw handler on payload and replies: directly when
-// called on the loop's goroutine, through the ready queue otherwise.
-func (s *Server) callRaw(id, payload []byte) {
-	var reply []byte
-	func() {
-		defer func() {
-			if v := recover(); v != nil {
-				s.log.Error("router handler panicked", "panic", v)
-				reply = wire.EncodeErrorReply("internal error")
-			}
-		}()
-		reply = s.raw(payload)
+// callRaw runs the raw handler on payload, turning a panic into an error
+// reply.
+func (s *Server) callRaw(payload []byte) (reply []byte) {
+	defer func() {
+		if v := recover(); v != nil {
+			s.log.Error("router handler panicked", "panic", v)
+			reply = wire.EncodeErrorReply("internal error")
+		}
 	}()
-	if s.slots != nil {
-		s.readyMu.Lock()
-		s.ready = append(s.ready, [2][]byte{id, reply})
-		// A poke that does not fit is not needed: one is pending, and
-		// the loop takes every queued reply when it wakes.
-		s.readyS.SendBytes([]byte{0}, zmq.DONTWAIT)
-		s.readyMu.Unlock()
-		return
-	}
-	if err := s.reply(id, reply); err != nil {
-		s.log.Warn("router reply failed", "err", err)
-	}
+	return s.raw(payload)
 }
