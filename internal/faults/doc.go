@@ -17,7 +17,7 @@
 //	          run, then error), ShortRead (first k of n ops run, then nil: the
 //	          silent partial transfer a byte ledger must catch), Duplicate (run twice)
 //	GetMeta:  Fail, Delay, Corrupt (the answer altered: see Corruption)
-//	SendDone: Drop (not sent, error), Delay, Duplicate (sent twice)
+//	SendDone (plain and batched): Drop (not sent, error), Delay, Duplicate (sent twice)
 //
 // # Replay
 //

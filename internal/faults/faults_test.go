@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvflow/kvflow/stages/handshake"
 	"github.com/kvflow/kvflow/stages/job"
+	"github.com/kvflow/kvflow/stages/notify"
 	"github.com/kvflow/kvflow/stages/plan"
 )
 
@@ -290,6 +291,49 @@ func TestSenderKinds(t *testing.T) {
 		if (err != nil) != tc.wantErr || len(fs.sent) != tc.sent {
 			t.Errorf("%+v: err %v, sent %d, want %d", tc.rates, err, len(fs.sent), tc.sent)
 		}
+	}
+}
+
+// batchSender is a fakeSender with the batched path, recording which path
+// each DONE took.
+type batchSender struct{ fakeSender }
+
+func (b *batchSender) SendDoneBatched(ctx context.Context, ep, id string) error {
+	return b.SendDone(ctx, ep, "batched:"+id)
+}
+
+// The injector's sender forwards batched DONEs to the inner sender's
+// batched path, with the same faults, and to its plain path when it has
+// none.
+func TestSenderBatched(t *testing.T) {
+	for _, tc := range []struct {
+		rates   Rates
+		sent    int
+		wantErr bool
+	}{
+		{Rates{Drop: 1}, 0, true},
+		{Rates{Duplicate: 1}, 2, false},
+		{Rates{}, 1, false},
+	} {
+		in := mustNew(t, Schedule{Done: tc.rates, MaxDelay: time.Millisecond})
+		bs := &batchSender{}
+		snd, ok := in.Sender(bs).(notify.BatchSender)
+		if !ok {
+			t.Fatal("injector's sender has no batched path")
+		}
+		err := snd.SendDoneBatched(context.Background(), "h:1", "r")
+		if (err != nil) != tc.wantErr || len(bs.sent) != tc.sent {
+			t.Errorf("%+v: err %v, sent %d, want %d", tc.rates, err, len(bs.sent), tc.sent)
+		}
+		for _, s := range bs.sent {
+			if s != "h:1/batched:r" {
+				t.Errorf("%+v: sent %q, want the batched path", tc.rates, s)
+			}
+		}
+	}
+	fs := &fakeSender{}
+	if err := mustNew(t, Schedule{}).Sender(fs).(notify.BatchSender).SendDoneBatched(context.Background(), "h:1", "r"); err != nil || len(fs.sent) != 1 || fs.sent[0] != "h:1/r" {
+		t.Errorf("plain inner sender: err %v, sent %v", err, fs.sent)
 	}
 }
 

@@ -295,6 +295,21 @@ type sender struct {
 }
 
 func (s sender) SendDone(ctx context.Context, endpoint, reqID string) error {
+	return s.send(ctx, endpoint, reqID, s.s.SendDone)
+}
+
+// SendDoneBatched is SendDone through the inner sender's batched path
+// (notify.BatchSender), so the soak puts batched DONEs under the same
+// faults; an inner sender without it gets plain DONEs.
+func (s sender) SendDoneBatched(ctx context.Context, endpoint, reqID string) error {
+	if bs, ok := s.s.(notify.BatchSender); ok {
+		return s.send(ctx, endpoint, reqID, bs.SendDoneBatched)
+	}
+	return s.SendDone(ctx, endpoint, reqID)
+}
+
+// send applies the fault decided for (endpoint, reqID) around do.
+func (s sender) send(ctx context.Context, endpoint, reqID string, do func(ctx context.Context, endpoint, reqID string) error) error {
 	d := s.in.decide(SendDone, hashString(hashString(0, endpoint), "\x00"+reqID), 0)
 	switch d.Kind {
 	case Drop:
@@ -304,14 +319,14 @@ func (s sender) SendDone(ctx context.Context, endpoint, reqID string) error {
 			return err
 		}
 	case Duplicate:
-		first := s.s.SendDone(ctx, endpoint, reqID)
-		second := s.s.SendDone(ctx, endpoint, reqID)
+		first := do(ctx, endpoint, reqID)
+		second := do(ctx, endpoint, reqID)
 		if first == nil || second == nil {
 			return nil // delivered at least once
 		}
 		return second
 	}
-	return s.s.SendDone(ctx, endpoint, reqID)
+	return do(ctx, endpoint, reqID)
 }
 
 // Counts are an injector's calls and injected faults.
