@@ -213,32 +213,7 @@ func TestCurveMixedContext(t *testing.T) {
 // and returns the reply, or an error after authTimeout.
 func reqOnce(t *testing.T, e *testEnv, endpoint string, c *Curve, payload []byte) ([]byte, error) {
 	t.Helper()
-	s, err := e.zctx.newSocket(zmq.REQ)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer e.zctx.closeSocket(s)
-	if c != nil {
-		if err := setCurveClient(s, c); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := s.Connect(endpoint); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := s.SendBytes(payload, 0); err != nil {
-		return nil, err
-	}
-	p := zmq.NewPoller()
-	p.Add(s, zmq.POLLIN)
-	polled, err := p.Poll(authTimeout)
-	if err != nil {
-		return nil, err
-	}
-	if len(polled) == 0 {
-		return nil, ErrTimeout
-	}
-	return s.RecvBytes(0)
+	return routerCall(t, e, endpoint, c, payload, authTimeout)
 }
 
 func TestCurveRouter(t *testing.T) {

@@ -10,15 +10,20 @@ import (
 	zmq "github.com/pebbe/zmq4"
 )
 
-// routerCall sends payload on a fresh REQ socket and waits up to wait for
-// the reply.
-func routerCall(t *testing.T, e *testEnv, endpoint string, payload []byte, wait time.Duration) ([]byte, error) {
+// routerCall sends payload on a fresh REQ socket (a CURVE client with c's
+// keys, if set) and waits up to wait for the reply.
+func routerCall(t *testing.T, e *testEnv, endpoint string, c *Curve, payload []byte, wait time.Duration) ([]byte, error) {
 	t.Helper()
 	s, err := e.zctx.newSocket(zmq.REQ)
 	if err != nil {
 		return nil, err
 	}
 	defer e.zctx.closeSocket(s)
+	if c != nil {
+		if err := setCurveClient(s, c); err != nil {
+			return nil, err
+		}
+	}
 	if err := s.Connect(endpoint); err != nil {
 		return nil, err
 	}
@@ -68,13 +73,13 @@ func TestRouterBackground(t *testing.T) {
 			slow := make([][]byte, 3)
 			slowErr := make([]error, 3)
 			for i := range slow {
-				wg.Go(func() { slow[i], slowErr[i] = routerCall(t, e, ep, []byte(fmt.Sprint("slow", i)), 10*time.Second) })
+				wg.Go(func() { slow[i], slowErr[i] = routerCall(t, e, ep, nil, []byte(fmt.Sprint("slow", i)), 10*time.Second) })
 			}
 			// Let the slow calls reach the server, so the fast ones
 			// arrive while the first blocks and the others queue.
 			time.Sleep(100 * time.Millisecond)
 			for range 3 {
-				fast, err := routerCall(t, e, ep, []byte("fast"), time.Second)
+				fast, err := routerCall(t, e, ep, nil, []byte("fast"), time.Second)
 				if bg {
 					if err != nil || string(fast) != "re:fast" {
 						t.Errorf("fast call behind a blocked one: %q, %v", fast, err)
@@ -130,7 +135,7 @@ func TestRouterBackgroundOrder(t *testing.T) {
 	// One REQ socket per call, sent in sequence (each waits for its
 	// reply), then a burst from concurrent sockets: sequence first.
 	for i := range 5 {
-		if _, err := routerCall(t, e, ep, []byte(fmt.Sprint("slow", i)), 5*time.Second); err != nil {
+		if _, err := routerCall(t, e, ep, nil, []byte(fmt.Sprint("slow", i)), 5*time.Second); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -159,7 +164,7 @@ func TestRouterBackgroundClose(t *testing.T) {
 	ep := "tcp://" + r.Addr()
 	var caller sync.WaitGroup
 	defer caller.Wait() // the caller's socket closes before the context
-	caller.Go(func() { routerCall(t, e, ep, []byte("slow"), 200*time.Millisecond) })
+	caller.Go(func() { routerCall(t, e, ep, nil, []byte("slow"), 200*time.Millisecond) })
 	<-entered
 	closed := make(chan struct{})
 	go func() { r.Close(); close(closed) }()
