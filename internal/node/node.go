@@ -197,6 +197,7 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 		Self:         cfg.Self(),
 		AbortTimeout: cfg.Tracker.AbortRequestTimeout.D(),
 		LeaseTTL:     cfg.Tracker.LeaseTTL.D(),
+		NoBatchDone:  !cfg.Tracker.BatchDone,
 		Grants:       grants,
 		Registerer:   n.deps.Registerer,
 		Logger:       log,

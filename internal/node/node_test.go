@@ -23,6 +23,7 @@ type topo struct {
 	model                config.Model
 	prefixHit, emptyReqs bool
 	grants               bool
+	plainDone            bool // prefill: tracker.batch_done off
 }
 
 func gqa(layers int) config.Model {
@@ -99,6 +100,7 @@ func tryCluster(t *testing.T, tp topo, kvPort int) (*cluster, error) {
 		for r := range tp.prefillTP {
 			cfg := baseConfig(tp, "prefill", kvPort)
 			cfg.Rank = config.Rank{TP: r, PP: p}
+			cfg.Tracker.BatchDone = !tp.plainDone
 			reg := prometheus.NewRegistry()
 			n, err := Start(cfg, Deps{Registerer: reg})
 			if err != nil {
@@ -172,6 +174,7 @@ func TestEndToEnd(t *testing.T) {
 		{name: "mla-tp2-to-1", prefillTP: 2, decodeTP: 1, model: mla()},
 		{name: "sparse-tp2-to-2", prefillTP: 2, decodeTP: 2, model: sparse()},
 		{name: "prefix-hit", prefillTP: 2, decodeTP: 1, model: gqa(3), prefixHit: true},
+		{name: "tp4-to-2-plain-done", prefillTP: 4, decodeTP: 2, model: gqa(4), plainDone: true},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -275,27 +278,25 @@ func TestEndToEnd(t *testing.T) {
 				}
 			}
 			// kvflow to kvflow: every DONE went batched (done_batch_msg),
-			// none plain, and each prefill rank counted exactly the DONEs
-			// the decode side sent it.
-			var sent, got float64
+			// none plain, unless the prefill side turned batching off
+			// (tracker.batch_done: false), and each prefill rank counted
+			// exactly the DONEs the decode side sent it.
+			var sent, got, plainSent, plainGot, msgs float64
 			for _, d := range c.decode {
 				sent += counter(t, c.regs[d], "kvflow_notify_batched_dones_total", nil)
-				if v := counter(t, c.regs[d], "kvflow_sidechannel_requests_total", map[string]string{"role": "client", "op": "done"}); v != 0 {
-					t.Errorf("decode rank %d sent %v plain DONEs", d.Config.Rank.TP, v)
-				}
+				plainSent += counter(t, c.regs[d], "kvflow_sidechannel_requests_total", map[string]string{"role": "client", "op": "done"})
 			}
 			for _, p := range c.prefill {
 				got += counter(t, c.regs[p], "kvflow_prefill_done_messages_total", nil)
-				if v := counter(t, c.regs[p], "kvflow_sidechannel_requests_total", map[string]string{"role": "server", "op": "done"}); v != 0 {
-					t.Errorf("prefill got %v plain DONEs", v)
-				}
-			}
-			msgs := 0.0
-			for _, p := range c.prefill {
+				plainGot += counter(t, c.regs[p], "kvflow_sidechannel_requests_total", map[string]string{"role": "server", "op": "done"})
 				msgs += counter(t, c.regs[p], "kvflow_sidechannel_requests_total", map[string]string{"role": "server", "op": "done_batch", "outcome": "ok"})
 			}
-			if sent == 0 || got != sent || msgs == 0 || msgs > sent {
-				t.Errorf("batched DONEs: decode sent %v, prefill counted %v, in %v messages", sent, got, msgs)
+			if tc.plainDone {
+				if sent != 0 || msgs != 0 || plainSent == 0 || plainGot != plainSent || got != plainSent {
+					t.Errorf("batching off: %v batched DONEs in %v messages, %v plain sent, %v plain received, %v counted", sent, msgs, plainSent, plainGot, got)
+				}
+			} else if plainSent != 0 || plainGot != 0 || sent == 0 || got != sent || msgs == 0 || msgs > sent {
+				t.Errorf("batched DONEs: decode sent %v (and %v plain), prefill counted %v (%v plain), in %v messages", sent, plainSent, got, plainGot, msgs)
 			}
 		})
 	}
