@@ -177,15 +177,7 @@ func AppendDoneRecving(dst []byte, reqID string) []byte {
 func EncodeDoneRecving(reqID string) []byte { return AppendDoneRecving(nil, reqID) }
 
 // AppendRenew appends msgpack [b"renew_msg", [reqIDs...]].
-func AppendRenew(dst []byte, reqIDs []string) []byte {
-	dst = appendArrayLen(dst, 2)
-	dst = appendBin(dst, MsgRenew)
-	dst = appendArrayLen(dst, len(reqIDs))
-	for _, id := range reqIDs {
-		dst = appendStr(dst, id)
-	}
-	return dst
-}
+func AppendRenew(dst []byte, reqIDs []string) []byte { return appendIDList(dst, MsgRenew, reqIDs) }
 
 // EncodeRenew returns the RENEW request bytes for reqIDs.
 func EncodeRenew(reqIDs []string) []byte { return AppendRenew(nil, reqIDs) }
@@ -194,8 +186,14 @@ func EncodeRenew(reqIDs []string) []byte { return AppendRenew(nil, reqIDs) }
 // caller keeps 1 ≤ len(reqIDs) ≤ MaxDoneBatchIDs (DecodeRequest rejects
 // anything else).
 func AppendDoneBatch(dst []byte, reqIDs []string) []byte {
+	return appendIDList(dst, MsgDoneBatch, reqIDs)
+}
+
+// appendIDList appends msgpack [bin kind, [str id, ...]], the shape of
+// kvflow's list messages.
+func appendIDList(dst []byte, kind string, reqIDs []string) []byte {
 	dst = appendArrayLen(dst, 2)
-	dst = appendBin(dst, MsgDoneBatch)
+	dst = appendBin(dst, kind)
 	dst = appendArrayLen(dst, len(reqIDs))
 	for _, id := range reqIDs {
 		dst = appendStr(dst, id)
