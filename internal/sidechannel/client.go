@@ -733,18 +733,8 @@ func newConn(zctx *Context, ep endpoint, maxReply int64, curve *Curve) (cn *conn
 	if err = cn.sock.Connect(ep.zmq); err != nil {
 		return nil, fmt.Errorf("sidechannel: connect %s: %w", ep.zmq, err)
 	}
-	addr := zctx.inprocAddr("wake")
-	if cn.wakeR, err = zctx.newSocket(zmq.PAIR); err != nil {
+	if cn.wakeR, cn.wakeS, err = zctx.newPair("wake"); err != nil {
 		return nil, err
-	}
-	if err = cn.wakeR.Bind(addr); err != nil {
-		return nil, fmt.Errorf("sidechannel: bind %s: %w", addr, err)
-	}
-	if cn.wakeS, err = zctx.newSocket(zmq.PAIR); err != nil {
-		return nil, err
-	}
-	if err = cn.wakeS.Connect(addr); err != nil {
-		return nil, fmt.Errorf("sidechannel: connect %s: %w", addr, err)
 	}
 	cn.poller = zmq.NewPoller()
 	cn.poller.Add(cn.sock, zmq.POLLIN)

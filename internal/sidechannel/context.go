@@ -156,6 +156,30 @@ func (c *Context) inprocAddr(kind string) string {
 	return fmt.Sprintf("inproc://kvflow-sidechannel-%p-%s-%d", c, kind, c.seq.Add(1))
 }
 
+// newPair makes a connected inproc PAIR: recv is bound, send connected to
+// it; a wake-up channel for a goroutine polling other sockets. On error
+// neither socket is left open.
+func (c *Context) newPair(kind string) (recv, send *zmq.Socket, err error) {
+	addr := c.inprocAddr(kind)
+	if recv, err = c.newSocket(zmq.PAIR); err != nil {
+		return nil, nil, err
+	}
+	if err = recv.Bind(addr); err != nil {
+		c.closeSocket(recv)
+		return nil, nil, fmt.Errorf("sidechannel: bind %s: %w", addr, err)
+	}
+	if send, err = c.newSocket(zmq.PAIR); err != nil {
+		c.closeSocket(recv)
+		return nil, nil, err
+	}
+	if err = send.Connect(addr); err != nil {
+		c.closeSocket(send)
+		c.closeSocket(recv)
+		return nil, nil, fmt.Errorf("sidechannel: connect %s: %w", addr, err)
+	}
+	return recv, send, nil
+}
+
 // Close closes every client and server still open on c, waits (up to
 // ContextOptions.CloseTimeout) for all sockets to close, then terminates the
 // ZMQ context. It is idempotent. If sockets are still open after the

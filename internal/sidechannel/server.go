@@ -243,32 +243,12 @@ func newServer(zctx *Context, opts ServerOptions, ep endpoint, h Handler, raw Ra
 		return nil, fmt.Errorf("sidechannel: server: last endpoint: %w", err)
 	}
 	s.addr = strings.TrimPrefix(last, "tcp://")
-	wake := zctx.inprocAddr("server-wake")
-	if s.wakeR, err = zctx.newSocket(zmq.PAIR); err != nil {
+	if s.wakeR, s.wakeS, err = zctx.newPair("server-wake"); err != nil {
 		return nil, err
-	}
-	if err = s.wakeR.Bind(wake); err != nil {
-		return nil, fmt.Errorf("sidechannel: server: bind %s: %w", wake, err)
-	}
-	if s.wakeS, err = zctx.newSocket(zmq.PAIR); err != nil {
-		return nil, err
-	}
-	if err = s.wakeS.Connect(wake); err != nil {
-		return nil, fmt.Errorf("sidechannel: server: connect %s: %w", wake, err)
 	}
 	if raw != nil && opts.Background != nil {
-		ready := zctx.inprocAddr("server-ready")
-		if s.readyR, err = zctx.newSocket(zmq.PAIR); err != nil {
+		if s.readyR, s.readyS, err = zctx.newPair("server-ready"); err != nil {
 			return nil, err
-		}
-		if err = s.readyR.Bind(ready); err != nil {
-			return nil, fmt.Errorf("sidechannel: server: bind %s: %w", ready, err)
-		}
-		if s.readyS, err = zctx.newSocket(zmq.PAIR); err != nil {
-			return nil, err
-		}
-		if err = s.readyS.Connect(ready); err != nil {
-			return nil, fmt.Errorf("sidechannel: server: connect %s: %w", ready, err)
 		}
 		s.bgKick, s.bgStop, s.bgDone = make(chan struct{}, 1), make(chan struct{}), make(chan struct{})
 		go s.background()
