@@ -259,17 +259,12 @@ func (c *Client) SendDone(ctx context.Context, endpoint, reqID string) error {
 // message was already on the wire (as with SendDone). Other callers' ids
 // are never affected. Close fails waiting calls with ErrClosed.
 func (c *Client) SendDoneBatched(ctx context.Context, endpoint, reqID string) error {
-	ep, err := parseEndpoint(endpoint, false)
+	p, err := c.peerFor(opDoneBatch, endpoint)
 	if err != nil {
-		c.m.requests.WithLabelValues(roleClient, opDoneBatch, outcomeInvalid).Inc()
-		return fmt.Errorf("sidechannel %s: %w", opDoneBatch, err)
-	}
-	p, err := c.acquire(ep)
-	if err != nil {
-		c.m.requests.WithLabelValues(roleClient, opDoneBatch, outcomeClosed).Inc()
-		return fmt.Errorf("sidechannel %s %s: %w", opDoneBatch, ep.key, err)
+		return err
 	}
 	defer c.release(p)
+	ep := p.ep
 	p.bmu.Lock()
 	if p.batchers < c.opts.MaxDoneBatchesPerPeer && len(p.pending) == 0 {
 		// Nothing waits and a message may go out: send ours now, on this
@@ -424,18 +419,29 @@ var errAttemptTimeout = errors.New("no reply within attempt timeout")
 
 func (c *Client) call(ctx context.Context, op, epStr string, payload []byte, check func([]byte) error) error {
 	start := time.Now()
-	ep, err := parseEndpoint(epStr, false)
+	p, err := c.peerFor(op, epStr)
+	if err != nil {
+		return err
+	}
+	defer c.release(p)
+	return c.callOn(ctx, op, p, payload, check, start)
+}
+
+// peerFor parses endpoint and acquires its peer for op (the caller
+// releases it); a bad endpoint or a closed client is counted and returned
+// as op's error.
+func (c *Client) peerFor(op, endpoint string) (*peer, error) {
+	ep, err := parseEndpoint(endpoint, false)
 	if err != nil {
 		c.m.requests.WithLabelValues(roleClient, op, outcomeInvalid).Inc()
-		return fmt.Errorf("sidechannel %s: %w", op, err)
+		return nil, fmt.Errorf("sidechannel %s: %w", op, err)
 	}
 	p, err := c.acquire(ep)
 	if err != nil {
 		c.m.requests.WithLabelValues(roleClient, op, outcomeClosed).Inc()
-		return fmt.Errorf("sidechannel %s %s: %w", op, ep.key, err)
+		return nil, fmt.Errorf("sidechannel %s %s: %w", op, ep.key, err)
 	}
-	defer c.release(p)
-	return c.callOn(ctx, op, p, payload, check, start)
+	return p, nil
 }
 
 // callOn makes one request to p (which the caller holds), with the
