@@ -34,6 +34,17 @@ type fakePeer struct {
 func newFakePeer(t *testing.T, serve func(c net.Conn, h Header, n int) bool) *fakePeer {
 	t.Helper()
 	f := &fakePeer{serve: serve}
+	return f.start(t, f.dataConn)
+}
+
+// newRawPeer is a fakePeer whose data connections are handled whole by h.
+func newRawPeer(t *testing.T, h func(net.Conn)) *fakePeer {
+	t.Helper()
+	return (&fakePeer{}).start(t, h)
+}
+
+func (f *fakePeer) start(t *testing.T, data func(net.Conn)) *fakePeer {
+	t.Helper()
 	var err error
 	if f.rpc, err = net.Listen("tcp", "127.0.0.1:0"); err != nil {
 		t.Fatal(err)
@@ -43,7 +54,7 @@ func newFakePeer(t *testing.T, serve func(c net.Conn, h Header, n int) bool) *fa
 	}
 	f.wg.Add(2)
 	go f.accept(f.rpc, f.handshake)
-	go f.accept(f.data, f.dataConn)
+	go f.accept(f.data, data)
 	t.Cleanup(f.kill)
 	return f
 }

@@ -5,8 +5,10 @@ import (
 	"context"
 	"errors"
 	"io"
+	"net"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -184,4 +186,60 @@ func firstDiff(a, b []byte) int {
 		}
 	}
 	return min(len(a), len(b))
+}
+
+// TestWindowRefillsAtHalf checks that a lane refills its READ window in
+// batches, once half of it has been answered (by count here; by bytes
+// alike), not one header per response. The target answers all but half of
+// the first window plus one, then pauses: the client must not write any
+// header meanwhile. After one more response it refills the window.
+func TestWindowRefillsAtHalf(t *testing.T) {
+	const window, n, size = 8, 64, 4 << 10
+	var got atomic.Int64          // headers the target has read
+	paused := make(chan int64, 1) // headers seen during the pause
+	f := newRawPeer(t, func(c net.Conn) {
+		hdrs := make(chan Header, n)
+		var wg sync.WaitGroup
+		wg.Go(func() {
+			defer close(hdrs)
+			var hb [HeaderSize]byte
+			for {
+				if _, err := io.ReadFull(c, hb[:]); err != nil {
+					return
+				}
+				h, _ := ParseHeader(&hb)
+				got.Add(1)
+				hdrs <- h
+			}
+		})
+		k := 0
+		for h := range hdrs {
+			if k == window/2-1 {
+				// Window/2 + 1 requests are outstanding now.
+				time.Sleep(100 * time.Millisecond)
+				paused <- got.Load()
+			}
+			if !serveOK(c, h) {
+				break
+			}
+			k++
+		}
+		c.Close()
+		wg.Wait()
+	})
+	cfg := testConfig()
+	cfg.Lanes, cfg.Pipeline, cfg.PipelineBytes = 1, window, 0
+	cli, _ := newEngine(t, cfg)
+	defer cli.Close()
+	loc := register(t, cli, n*size, 1)
+	if err := cli.BatchRead(context.Background(), f.session(), readOps(loc, n, size)); err != nil {
+		t.Fatal(err)
+	}
+	if h := <-paused; h != window {
+		t.Fatalf("with %d of %d requests answered, the target had read %d headers, want %d (the window refilled one slot at a time)",
+			window/2-1, window, h, window)
+	}
+	if got.Load() != n {
+		t.Fatalf("target read %d headers, want %d", got.Load(), n)
+	}
 }

@@ -593,10 +593,13 @@ func (l *lane) run() {
 		}
 		if len(l.win) > 0 {
 			l.receive()
-			// Responses already buffered are consumed before the window
-			// is refilled (down to half of it), so one header write
-			// refills many slots instead of one write per response.
-			for len(l.win) > depth/2 && l.br.Buffered() > 0 {
+			// The window is refilled only once it has drained to half
+			// (of its requests or of its bytes), so one header write
+			// refills many slots instead of one write per response: the
+			// other half keeps the target busy meanwhile. Responses
+			// already buffered are consumed first in any case.
+			for len(l.win) > 0 && (l.br.Buffered() > 0 || len(l.win) > depth/2 ||
+				(capBytes > 0 && len(l.win) > 2 && l.wbytes > capBytes/2)) {
 				l.receive()
 			}
 			continue
