@@ -81,9 +81,11 @@
 // batches cannot starve a large one. READs are pipelined: a lane keeps up
 // to Pipeline (256) requests outstanding, or fewer once they add up to
 // PipelineBytes (4 MiB) beyond the first two, sending the next headers
-// while earlier responses stream (it consumes the responses already
-// buffered before it writes new headers, so one write refills many
-// slots), and consumes the responses in order
+// while earlier responses stream (once the window is full it refills it
+// only after half of it, by requests or by bytes, has been answered, and
+// consumes the responses already buffered first, so one header write
+// refills many slots instead of one per response), and consumes the
+// responses in order
 // (the target serves a connection's requests one after another,
 // Mooncake's too). kvflow's target reads headers through a buffer and,
 // while more pipelined READ headers are already buffered, gathers the
@@ -97,7 +99,10 @@
 // READ is outstanding on the lane. Reads of more than 64 KiB land
 // straight in the destination memory and writes leave straight from the
 // source (no staging copies), in socket I/O of up to ChunkSize (4 MiB).
-// Completion is a channel close: nothing spins or polls. Every goroutine
+// BatchReadStrided (StridedReader) sends the same requests but copies
+// each answer out of the lane's buffer row by row to strided places
+// (Stride): the decode side's head transpose, fused into the copy the
+// receive makes anyway. Completion is a channel close: nothing spins or polls. Every goroutine
 // is owned by the engine and waited for in Close.
 //
 // # Never

@@ -13,6 +13,44 @@ import (
 // registered).
 type Op struct{ Local, Remote, Length uint64 }
 
+// Stride lays a READ's bytes out in local memory as rows: byte i of an op
+// lands at Local + (i/Row)*Pitch + i%Row. Row > 0, Pitch >= Row, and every
+// op's Length is a whole number of rows. It fuses a layout change into the
+// copy the transfer makes anyway (kvflow's decode side uses it for the
+// head transpose between TP sizes, see stages/plan.Reads.Interleave).
+type Stride struct{ Row, Pitch uint64 }
+
+// Extent is the local bytes an op of length n spans under s.
+func (s Stride) Extent(n uint64) uint64 {
+	if n == 0 {
+		return 0
+	}
+	return (n/s.Row-1)*s.Pitch + s.Row
+}
+
+// Validate checks s against ops.
+func (s Stride) Validate(ops []Op) error {
+	if s.Row == 0 || s.Pitch < s.Row {
+		return fmt.Errorf("mooncake: stride of %d-byte rows %d bytes apart: want 0 < row <= pitch", s.Row, s.Pitch)
+	}
+	for i, op := range ops {
+		if op.Length%s.Row != 0 {
+			return fmt.Errorf("mooncake: op %d: %d bytes are not whole %d-byte rows", i, op.Length, s.Row)
+		}
+	}
+	return nil
+}
+
+// StridedReader is an Engine that can scatter READs over strided local
+// rows. The TCP engine is one; Mooncake's C API has no such transfer, so
+// the cgo engine is not.
+type StridedReader interface {
+	Engine
+	// BatchReadStrided is BatchRead with every op's local bytes laid out
+	// by s (s.Validate(ops) must hold).
+	BatchReadStrided(ctx context.Context, session string, ops []Op, s Stride) error
+}
+
 // Engine is a transfer engine with Mooncake's semantics. Implementations
 // are safe for concurrent use.
 type Engine interface {

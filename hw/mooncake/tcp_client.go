@@ -17,18 +17,33 @@ import (
 
 // BatchRead implements Engine.
 func (e *TCPEngine) BatchRead(ctx context.Context, session string, ops []Op) error {
-	return e.batch(ctx, session, ops, OpcodeRead)
+	return e.batch(ctx, session, ops, OpcodeRead, Stride{})
+}
+
+// BatchReadStrided implements StridedReader. The wire requests are the
+// same as BatchRead's (the peer sees contiguous READs); only where the
+// answer lands differs: it is copied out of the lane's buffer row by row.
+func (e *TCPEngine) BatchReadStrided(ctx context.Context, session string, ops []Op, s Stride) error {
+	if err := s.Validate(ops); err != nil {
+		errs := make([]error, len(ops))
+		for i := range errs {
+			errs[i] = fmt.Errorf("%w: %w", ErrNotAttempted, err)
+		}
+		return &BatchError{Session: session, Dir: dirRead, Ops: ops, Errs: errs}
+	}
+	return e.batch(ctx, session, ops, OpcodeRead, s)
 }
 
 // BatchWrite implements Engine.
 func (e *TCPEngine) BatchWrite(ctx context.Context, session string, ops []Op) error {
-	return e.batch(ctx, session, ops, OpcodeWrite)
+	return e.batch(ctx, session, ops, OpcodeWrite, Stride{})
 }
 
 // batch is one BatchRead/BatchWrite call in flight.
 type batch struct {
 	ctx       context.Context
 	opcode    uint8
+	stride    Stride         // Row > 0: READ answers land in strided rows
 	left      []atomic.Int32 // requests still outstanding per op
 	pending   atomic.Int64   // requests still outstanding in all
 	done      chan struct{}  // closed when pending reaches zero
@@ -80,10 +95,12 @@ type task struct {
 	tries int // times sent again after another request broke its lane
 }
 
-// seg is one op's local range within a merged READ.
+// seg is one op's local range within a merged READ: length bytes from
+// local, or with a stride, bytes [off, off+length) of the op whose rows
+// start at local.
 type seg struct {
-	op            int
-	local, length uint64
+	op                 int
+	local, length, off uint64
 }
 
 // pieces is how many finish calls t owes its batch: one per op it covers.
@@ -112,7 +129,7 @@ func dirName(opcode uint8) string {
 	return dirRead
 }
 
-func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode uint8) (err error) {
+func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode uint8, stride Stride) (err error) {
 	dir := dirName(opcode)
 	start := time.Now()
 	defer func() {
@@ -125,7 +142,7 @@ func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode 
 	if len(ops) == 0 {
 		return nil
 	}
-	b := &batch{ctx: ctx, opcode: opcode, left: make([]atomic.Int32, len(ops)), done: make(chan struct{}), errs: make([]error, len(ops))}
+	b := &batch{ctx: ctx, opcode: opcode, stride: stride, left: make([]atomic.Int32, len(ops)), done: make(chan struct{}), errs: make([]error, len(ops))}
 	batchErr := func() error {
 		return &BatchError{Session: session, Dir: dir, Ops: ops, Errs: b.errs}
 	}
@@ -152,7 +169,11 @@ func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode 
 			b.errs[i], bad = fmt.Errorf("remote: %w", err), true
 			continue
 		}
-		r, err := e.regions.pin(op.Local, op.Length)
+		extent := op.Length
+		if stride.Row > 0 {
+			extent = stride.Extent(op.Length)
+		}
+		r, err := e.regions.pin(op.Local, extent)
 		if err != nil {
 			b.errs[i], bad = fmt.Errorf("local: %w", err), true
 			continue
@@ -263,7 +284,12 @@ func splitOps(b *batch, ops []Op, chunk uint64, bufs []BufferDesc) []task {
 		}
 		for off := uint64(0); off < op.Length; off += chunk {
 			n := min(chunk, op.Length-off)
-			tasks = append(tasks, task{b: b, op: i, local: op.Local + off, remote: op.Remote + off, length: n})
+			t := task{b: b, op: i, local: op.Local + off, remote: op.Remote + off, length: n}
+			if b.stride.Row > 0 { // where the piece lands is computed per row
+				t.local = op.Local
+				t.segs = []seg{{op: i, local: op.Local, length: n, off: off}}
+			}
+			tasks = append(tasks, t)
 			b.left[i].Add(1)
 		}
 		i = j
@@ -707,6 +733,14 @@ func (l *lane) recv(t *task) error {
 			return err
 		}
 	}
+	if t.b.stride.Row > 0 { // at most ChunkSize in all: one deadline
+		for _, sg := range t.segs {
+			if err := l.recvRows(sg, t.b.stride); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
 	if t.segs != nil { // at most ChunkSize in all: one deadline
 		for _, sg := range t.segs {
 			if _, err := io.ReadFull(l.br, bytesAt(sg.local, sg.length)); err != nil {
@@ -728,6 +762,37 @@ func (l *lane) recv(t *task) error {
 		}
 	}
 	return nil
+}
+
+// recvRows reads sg's bytes through the lane's buffer and copies them out
+// row by row, each to its place under stride s: one socket read fills the
+// buffer with many rows, which are then copied while still in cache.
+func (l *lane) recvRows(sg seg, s Stride) error {
+	pos, end := sg.off, sg.off+sg.length
+	for pos < end {
+		if l.br.Buffered() == 0 {
+			if _, err := l.br.Peek(1); err != nil {
+				return err
+			}
+		}
+		buf, _ := l.br.Peek(int(min(uint64(l.br.Buffered()), end-pos)))
+		scatterRows(sg.local, s, pos, buf)
+		l.br.Discard(len(buf))
+		pos += uint64(len(buf))
+	}
+	return nil
+}
+
+// scatterRows copies src, bytes [pos, pos+len(src)) of an op whose rows
+// start at local, to their places under stride s.
+func scatterRows(local uint64, s Stride, pos uint64, src []byte) {
+	r, c := pos/s.Row, pos%s.Row
+	for len(src) > 0 {
+		n := min(s.Row-c, uint64(len(src)))
+		copy(bytesAt(local+r*s.Pitch+c, n), src[:n])
+		src = src[n:]
+		r, c = r+1, 0
+	}
 }
 
 // done ends the oldest outstanding request, which completed.

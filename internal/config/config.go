@@ -219,6 +219,13 @@ type Read struct {
 	// default: Mooncake peers and seed schedulers (whose send carries no
 	// block ids) expect every registered byte to be readable.
 	Grants bool `json:"grants"`
+	// FusedStitch (decode) reads each prefill rank's slice of a block
+	// straight into its place in the stitched block, row by row, when one
+	// decode rank pulls from several prefill ranks and the transfer
+	// engine can (the tcp backend; not mooncake): the head transpose then
+	// costs no pass of its own over the cache. False reads as the seed
+	// does and runs the stitch kernel afterwards. The bytes are the same.
+	FusedStitch bool `json:"fused_stitch"`
 }
 
 // Notify configures DONE_RECVING.
@@ -375,6 +382,7 @@ func Default() Config {
 			// Mooncake's 4 TCP lanes per peer: more batches to one peer
 			// only queue behind them.
 			PerPeerConcurrency: 4,
+			FusedStitch:        true,
 		},
 		Notify: Notify{
 			// The seed's DONE_RECVING uses the same 1 s timeout and 3 tries

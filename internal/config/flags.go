@@ -92,6 +92,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.IntVar(&c.Handshake.CacheSize, "handshake-cache-size", c.Handshake.CacheSize, "cached remote metadata entries (handshake.cache_size)")
 	fs.Var(&c.Read.Timeout, "read-timeout", "one task's transfer batch (read.timeout)")
 	fs.IntVar(&c.Read.PerPeerConcurrency, "read-per-peer", c.Read.PerPeerConcurrency, "batches in flight per remote rank (read.per_peer_concurrency)")
+	fs.BoolVar(&c.Read.FusedStitch, "fused-stitch", c.Read.FusedStitch, "decode: land pulled slices straight in their stitched place when the engine can (read.fused_stitch)")
 	fs.BoolVar(&c.Read.Grants, "read-grants", c.Read.Grants, "prefill: serve only the blocks of held requests (read.grants)")
 	fs.Var(&c.Notify.Timeout, "notify-timeout", "wait for one DONE_RECVING ACK (notify.timeout)")
 	fs.IntVar(&c.Notify.Attempts, "notify-attempts", c.Notify.Attempts, "DONE_RECVING tries (notify.attempts)")

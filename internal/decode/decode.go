@@ -83,6 +83,11 @@ type Options struct {
 	// ReadTimeout bounds one task's batch (0: only the engine's own I/O
 	// timeout applies).
 	ReadTimeout time.Duration
+	// BlockSize is the tokens per block; with it and a
+	// read.StridedTransfer the read stage fuses the head transpose into
+	// the reads (unless NoFusedStitch) and the stitch stage idles.
+	BlockSize     int
+	NoFusedStitch bool
 	// MaxFinished bounds finished results kept for Finished (an engine that
 	// never polls must not grow memory without end); the oldest are dropped
 	// and counted. 1 << 16.
@@ -209,6 +214,7 @@ func New(o Options) (*Worker, error) {
 	w.hs = hs
 	rd, err := read.New(o.Transfer, read.Options{
 		Layout: o.Layout, Local: o.Local, PerSession: o.PerSession, Timeout: o.ReadTimeout, Registerer: reg,
+		BlockSize: o.BlockSize, NoFuse: o.NoFusedStitch,
 		Invalidate: func(j *job.Job, i int) { hs.Invalidate(handshake.KeyOf(j, i)) },
 	})
 	if err != nil {

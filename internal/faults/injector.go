@@ -102,7 +102,9 @@ func sleep(ctx context.Context, d time.Duration) error {
 }
 
 // Transfer wraps t. The wrapper takes compact reads and has a ledger
-// (read.ReadsLedgerTransfer) whatever t takes.
+// (read.ReadsLedgerTransfer) whatever t takes. It never offers strided
+// reads (read.StridedTransfer has no ledger to catch a ShortRead), so jobs
+// run under it are read as the seed does and stitched by the stitch stage.
 func (in *Injector) Transfer(t read.Transfer) read.Transfer { return transfer{in, t} }
 
 var _ read.ReadsLedgerTransfer = transfer{}

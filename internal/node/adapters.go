@@ -20,8 +20,15 @@ var _ notify.BatchSender = (*sidechannel.Client)(nil)
 // Fetcher adapts a side-channel client to handshake.Fetcher.
 func Fetcher(c *sidechannel.Client) handshake.Fetcher { return fetcher{c} }
 
-// Transfer adapts a transfer engine to read.Transfer.
-func Transfer(e mooncake.Engine) read.Transfer { return transfer{e} }
+// Transfer adapts a transfer engine to read.Transfer; an engine that can
+// scatter strided rows (mooncake.StridedReader) becomes a
+// read.StridedTransfer, so the read stage fuses the head transpose.
+func Transfer(e mooncake.Engine) read.Transfer {
+	if s, ok := e.(mooncake.StridedReader); ok {
+		return stridedTransfer{transfer{e}, s}
+	}
+	return transfer{e}
+}
 
 type fetcher struct{ c *sidechannel.Client }
 
@@ -52,6 +59,19 @@ func (t transfer) BatchRead(ctx context.Context, session string, ops []plan.Op) 
 // batch's *mooncake.BatchError keeps it.
 func (t transfer) BatchReads(ctx context.Context, session string, r *plan.Reads) error {
 	return t.e.BatchRead(ctx, session, appendEngineOps(make([]mooncake.Op, 0, r.Len()), r))
+}
+
+type stridedTransfer struct {
+	transfer
+	s mooncake.StridedReader
+}
+
+var _ read.StridedTransfer = stridedTransfer{}
+
+// BatchReadsStrided is BatchReads with the engine laying each op's bytes
+// out in rows of row bytes, pitch apart.
+func (t stridedTransfer) BatchReadsStrided(ctx context.Context, session string, r *plan.Reads, row, pitch uint64) error {
+	return t.s.BatchReadStrided(ctx, session, appendEngineOps(make([]mooncake.Op, 0, r.Len()), r), mooncake.Stride{Row: row, Pitch: pitch})
 }
 
 // appendEngineOps appends r's ops to dst as mooncake ops, in r's order

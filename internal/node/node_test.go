@@ -24,6 +24,7 @@ type topo struct {
 	prefixHit, emptyReqs bool
 	grants               bool
 	plainDone            bool // prefill: tracker.batch_done off
+	unfused              bool // decode: read.fused_stitch off (the stitch kernel transposes)
 }
 
 func gqa(layers int) config.Model {
@@ -67,6 +68,7 @@ func baseConfig(tp topo, role string, kvPort int) config.Config {
 	c.Handshake.Timeout = config.Duration(500 * time.Millisecond)
 	c.Notify.Timeout = config.Duration(500 * time.Millisecond)
 	c.Read.Grants = tp.grants
+	c.Read.FusedStitch = !tp.unfused
 	return c
 }
 
@@ -170,6 +172,7 @@ func TestEndToEnd(t *testing.T) {
 		{name: "tp1-to-1", prefillTP: 1, decodeTP: 1, model: gqa(4)},
 		{name: "tp4-to-2-stitch", prefillTP: 4, decodeTP: 2, model: gqa(4)},
 		{name: "tp8-to-1-stitch", prefillTP: 8, decodeTP: 1, model: gqa(2)},
+		{name: "tp4-to-2-unfused", prefillTP: 4, decodeTP: 2, model: gqa(4), unfused: true},
 		{name: "pp2-prefill", prefillTP: 2, decodeTP: 2, prefillPP: 2, model: gqa(5)},
 		{name: "mla-tp2-to-1", prefillTP: 2, decodeTP: 1, model: mla()},
 		{name: "sparse-tp2-to-2", prefillTP: 2, decodeTP: 2, model: sparse()},
@@ -252,6 +255,16 @@ func TestEndToEnd(t *testing.T) {
 					bad, err := verify.Check(d.Device, pl, rowBytes(c.prefill[0]), tag(r.id))
 					if bad != 0 {
 						t.Errorf("decode rank %d request %s: %d bad bytes: %v", d.Config.Rank.TP, r.id, bad, err)
+					}
+				}
+			}
+			// P > 1: the transpose ran fused into the reads, or (unfused)
+			// in the stitch stage.
+			if p := c.decode[0].Config.Topology().NeedPulls(); p > 1 {
+				for _, d := range c.decode {
+					fused := counter(t, c.regs[d], "kvflow_read_fused_stitch_jobs_total", nil)
+					if want := float64(nreq); tc.unfused && fused != 0 || !tc.unfused && fused != want {
+						t.Errorf("decode rank %d: %v jobs read fused, want %v (unfused %v)", d.Config.Rank.TP, fused, want, tc.unfused)
 					}
 				}
 			}

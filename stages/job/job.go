@@ -52,6 +52,10 @@ type Job struct {
 	BytesRead atomic.Uint64
 	// OpsRead counts transfer ops posted.
 	OpsRead atomic.Uint64
+	// Stitched is set by the read stage when it read the blocks straight
+	// into their stitched layout (the head transpose fused into the read):
+	// the stitch stage then leaves them as they are.
+	Stitched bool
 	// DoneUndelivered counts DONE messages the notify stage could not
 	// deliver (does not fail a request whose bytes all landed).
 	DoneUndelivered atomic.Int32

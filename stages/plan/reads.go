@@ -24,8 +24,10 @@ type Reads struct {
 	local, remote   []uint64  // base address of each of the task's tensors
 	blockLen, inner [3]uint64 // per part: block length L and L/P
 	parts           int
-	slot            uint64 // HeadSlot
-	loc, rem        []int  // P > 1: the task's local and trimmed remote blocks, one run each
+	slot            uint64    // HeadSlot
+	p               uint64    // tp_num_need_pulls
+	slotOff         [3]uint64 // per part: the head slot's offset in a block (HeadSlot*L/P; Interleave changes it)
+	loc, rem        []int     // P > 1: the task's local and trimmed remote blocks, one run each
 	runs            []BlockRun
 	grouped         bool // P == 1: runs holds the runs
 	nruns, nblocks  int
@@ -43,7 +45,8 @@ type BlockRun struct {
 //
 //	Op{Local + a*LocalStride, Remote + b*RemoteStride, n*Len}
 //
-// Local includes the head slot's offset (HeadSlot*L/P); LocalStride is the
+// Local includes the head slot's offset (HeadSlot*L/P, or HeadSlot*row/P
+// after Interleave); LocalStride is the
 // block length L, RemoteStride and Len are L/P (L when P == 1).
 type TensorReads struct {
 	Local, Remote             uint64
@@ -120,7 +123,10 @@ func (r *Reads) Build(layout CacheLayout, t Task, local, remote Caches) error {
 	for q, b := range layout.BlockLen {
 		r.blockLen[q], r.inner[q] = b, b/p
 	}
-	r.slot = uint64(t.HeadSlot)
+	r.slot, r.p = uint64(t.HeadSlot), p
+	for q := range r.parts {
+		r.slotOff[q] = r.slot * r.inner[q]
+	}
 	r.nblocks = nl
 	if t.P > 1 {
 		r.loc, r.rem, r.nruns = loc, rem, nl
@@ -159,7 +165,8 @@ func (r *Reads) Reset() {
 	r.runs = r.runs[:0]
 	r.local, r.remote, r.loc, r.rem = nil, nil, nil, nil
 	r.blockLen, r.inner = [3]uint64{}, [3]uint64{}
-	r.parts, r.slot, r.grouped = 0, 0, false
+	r.parts, r.slot, r.p, r.grouped = 0, 0, 0, false
+	r.slotOff = [3]uint64{}
 	r.nruns, r.nblocks, r.bytes = 0, 0, 0
 }
 
@@ -193,7 +200,58 @@ func (r *Reads) Parts() int { return r.parts }
 func (r *Reads) Tensor(k int) TensorReads {
 	q := k % r.parts
 	in := r.inner[q]
-	return TensorReads{Local: r.local[k] + r.slot*in, Remote: r.remote[k], LocalStride: r.blockLen[q], RemoteStride: in, Len: in}
+	return TensorReads{Local: r.local[k] + r.slotOff[q], Remote: r.remote[k], LocalStride: r.blockLen[q], RemoteStride: in, Len: in}
+}
+
+// Interleave fuses the head transpose of a P > 1 task into its reads. The
+// seed reads prefill rank q's slice of every block, [block_size][row/P],
+// contiguously to q*L/P within the block, and once all P slices landed
+// reorders the block from [P][block_size][row/P] to [block_size][P][row/P]
+// (row = L/block_size bytes: one token's heads). Interleave instead makes
+// each op start at q*row/P, its slot's place in the block's first token,
+// and returns the stride its bytes must land with: rows of row/P bytes,
+// row bytes apart. An engine that lays each op out so (mooncake.Stride)
+// leaves every block exactly as the seed's read and transpose would, and
+// the stitch is skipped. Remote addresses, lengths and the op count do not
+// change.
+//
+// It fails, leaving r as it was, when r is not a P > 1 task's reads, a
+// part's block is not block_size rows of P equal slices, or the parts'
+// rows differ (one stride serves the whole batch).
+func (r *Reads) Interleave(blockSize int) (row, pitch uint64, err error) {
+	if err := CanInterleave(r.blockLen[:r.parts], blockSize, int(r.p)); err != nil {
+		return 0, 0, err
+	}
+	pitch = r.blockLen[0] / uint64(blockSize)
+	row = pitch / r.p
+	for q := range r.parts {
+		r.slotOff[q] = r.slot * row
+	}
+	return row, pitch, nil
+}
+
+// CanInterleave reports whether reads of blocks of blockLen bytes (one per
+// cache part) with tp_num_need_pulls p can be interleaved (see
+// Reads.Interleave), and if not, why.
+func CanInterleave(blockLen []uint64, blockSize, p int) error {
+	switch {
+	case p < 2:
+		return fmt.Errorf("interleave: tp_num_need_pulls %d: nothing to transpose", p)
+	case blockSize < 1:
+		return fmt.Errorf("interleave: block_size %d", blockSize)
+	case len(blockLen) == 0:
+		return fmt.Errorf("interleave: no cache parts")
+	}
+	bs, pp := uint64(blockSize), uint64(p)
+	for q, l := range blockLen {
+		if l%bs != 0 || (l/bs)%pp != 0 {
+			return fmt.Errorf("interleave: part %d: a block of %d bytes is not %d rows of %d equal slices", q, l, blockSize, p)
+		}
+		if l != blockLen[0] {
+			return fmt.Errorf("interleave: part %d: blocks of %d bytes, part 0 has %d (one stride for all parts)", q, l, blockLen[0])
+		}
+	}
+	return nil
 }
 
 // Run is block run j, 0 <= j < Runs().

@@ -184,3 +184,105 @@ func TestReadsAtOutOfRange(t *testing.T) {
 	var rd Reads
 	rd.At(0)
 }
+
+// TestInterleaveMatchesTranspose: for random P > 1 tasks, every byte an
+// interleaved op lands (its op start, then rows of row/P bytes, row bytes
+// apart) is where the seed's contiguous read followed by its head
+// transpose ([P][block_size][row/P] -> [block_size][P][row/P]) puts it.
+// Remote addresses, lengths and the op count are unchanged.
+func TestInterleaveMatchesTranspose(t *testing.T) {
+	r := rand.New(rand.NewPCG(9, 10))
+	var plain, fused Reads
+	for it := range 3000 {
+		p := []int{2, 4, 8}[r.IntN(3)]
+		bs := []int{1, 2, 16, 128}[r.IntN(4)]
+		slice := uint64(2 * (1 + r.IntN(64))) // bytes of one token's slot
+		parts := 1 + r.IntN(3)
+		l := uint64(bs) * uint64(p) * slice
+		layout := CacheLayout{CachesPerLayer: parts}
+		for range parts {
+			layout.BlockLen = append(layout.BlockLen, l)
+		}
+		layers := 1 + r.IntN(3)
+		nb := 4 + r.IntN(12)
+		local, remote := Caches{NumBlocks: nb}, Caches{NumBlocks: nb}
+		for k := range layers * parts {
+			local.Base = append(local.Base, 1<<40+uint64(k)*uint64(nb)*l)
+			remote.Base = append(remote.Base, 1<<41+uint64(k)*uint64(nb)*l)
+		}
+		n := 1 + r.IntN(nb)
+		task := Task{P: p, HeadSlot: r.IntN(p), LayerStart: 0, LayerEnd: layers,
+			LocalBlockIDs: r.Perm(nb)[:n], RemoteBlockIDs: r.Perm(nb)[:n]}
+		if err := plain.Build(layout, task, local, remote); err != nil {
+			t.Fatal(err)
+		}
+		if err := fused.Build(layout, task, local, remote); err != nil {
+			t.Fatal(err)
+		}
+		row, pitch, err := fused.Interleave(bs)
+		if err != nil {
+			t.Fatalf("layout %+v block_size %d P %d: %v", layout, bs, p, err)
+		}
+		if pitch != l/uint64(bs) || row != pitch/uint64(p) {
+			t.Fatalf("stride %d/%d, want rows of %d, %d apart", row, pitch, pitch/uint64(p), l/uint64(bs))
+		}
+		if fused.Len() != plain.Len() || fused.Bytes() != plain.Bytes() {
+			t.Fatalf("interleaving changed the reads: %d ops %d bytes, was %d %d", fused.Len(), fused.Bytes(), plain.Len(), plain.Bytes())
+		}
+		ops, fops := plain.AppendTo(nil), fused.AppendTo(nil)
+		plane := l / uint64(p)
+		for i, op := range ops {
+			f := fops[i]
+			if f.Remote != op.Remote || f.Len != op.Len {
+				t.Fatalf("op %d: remote %#x+%d, was %#x+%d", i, f.Remote, f.Len, op.Remote, op.Len)
+			}
+			k := i / plain.Runs()
+			blockStart := op.Local - (op.Local-local.Base[k])%l
+			for _, j := range []uint64{0, op.Len - 1, r.Uint64N(op.Len)} {
+				o := op.Local - blockStart + j // offset in the block, read as is
+				q, rest := o/plane, o%plane
+				tok, c := rest/row, rest%row
+				want := blockStart + tok*pitch + q*row + c // after the transpose
+				if got := f.Local + (j/row)*pitch + j%row; got != want {
+					t.Fatalf("it %d op %d byte %d lands at %#x, the transpose puts it at %#x", it, i, j, got, want)
+				}
+			}
+		}
+	}
+}
+
+// TestInterleaveRejects: layouts and tasks the fused transpose cannot
+// serve are refused, and the reads stay as built.
+func TestInterleaveRejects(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		blockLen []uint64
+		bs, p    int
+	}{
+		{"P 1", []uint64{4096}, 16, 1},
+		{"block size 0", []uint64{4096}, 0, 2},
+		{"rows do not divide", []uint64{4096}, 3, 2},
+		{"slices do not divide", []uint64{48}, 16, 2},
+		{"parts differ", []uint64{4096, 2048}, 16, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if err := CanInterleave(tc.blockLen, tc.bs, tc.p); err == nil {
+				t.Fatal("accepted")
+			}
+		})
+	}
+	var rd Reads
+	layout := CacheLayout{BlockLen: []uint64{4096}, CachesPerLayer: 1}
+	task := Task{P: 2, HeadSlot: 1, LayerEnd: 1, LocalBlockIDs: []int{0}, RemoteBlockIDs: []int{1}}
+	caches := Caches{Base: []uint64{1 << 30}, NumBlocks: 4}
+	if err := rd.Build(layout, task, caches, caches); err != nil {
+		t.Fatal(err)
+	}
+	before := rd.AppendTo(nil)
+	if _, _, err := rd.Interleave(3); err == nil {
+		t.Fatal("block_size 3 accepted")
+	}
+	if after := rd.AppendTo(nil); !slices.Equal(before, after) {
+		t.Fatalf("a refused Interleave changed the ops: %+v, was %+v", after, before)
+	}
+}

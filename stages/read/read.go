@@ -52,6 +52,17 @@ type ReadsLedgerTransfer interface {
 	BatchReadsLedger(ctx context.Context, session string, r *plan.Reads, landed []uint64) error
 }
 
+// StridedTransfer is a ReadsTransfer whose engine can lay each op's bytes
+// out in strided rows of local memory (mooncake.StridedReader). With it the
+// stage fuses the head transpose of P > 1 requests into the read (see
+// plan.Reads.Interleave) and the stitch stage has nothing left to do.
+type StridedTransfer interface {
+	ReadsTransfer
+	// BatchReadsStrided is BatchReads with every op's bytes landing in
+	// rows of row bytes, pitch bytes apart, from the op's Local.
+	BatchReadsStrided(ctx context.Context, session string, r *plan.Reads, row, pitch uint64) error
+}
+
 // ErrShortfall marks a batch whose ledger shows fewer bytes than posted.
 var ErrShortfall = errors.New("read: byte ledger shortfall")
 
@@ -79,6 +90,13 @@ type Options struct {
 	// slot to the last byte; 0 = none beyond the engine's I/O timeout.
 	Timeout    time.Duration
 	Invalidate Invalidator
+	// BlockSize is the tokens per block (block_size). With a
+	// StridedTransfer and P > 1 the stage reads every block straight into
+	// its stitched layout and marks the job Stitched; 0, NoFuse, or a
+	// layout that does not split into P equal token slices read as the
+	// seed does and leave the transpose to the stitch stage.
+	BlockSize  int
+	NoFuse     bool
 	Registerer prometheus.Registerer
 }
 
@@ -92,6 +110,7 @@ type Stage struct {
 
 	bytes, ops, failures prometheus.Counter
 	shortfalls           prometheus.Counter
+	fused                prometheus.Counter
 	waiting              prometheus.Gauge
 }
 
@@ -114,9 +133,10 @@ func New(t Transfer, opts Options) (*Stage, error) {
 	s.ops = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_ops_total", Help: "Transfer ops posted (successful batches)."})
 	s.failures = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_batch_failures_total", Help: "Batches that failed."})
 	s.shortfalls = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_ledger_shortfalls_total", Help: "Batches that reported success but whose byte ledger showed ops not fully landed (the job fails)."})
+	s.fused = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_fused_stitch_jobs_total", Help: "Jobs whose blocks were read straight into their stitched layout (head transpose fused into the read; the stitch stage skips them)."})
 	s.waiting = prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvflow_read_session_waiting", Help: "Batches waiting for their session's concurrency limit."})
 	if opts.Registerer != nil {
-		for _, c := range []prometheus.Collector{s.bytes, s.ops, s.failures, s.shortfalls, s.waiting} {
+		for _, c := range []prometheus.Collector{s.bytes, s.ops, s.failures, s.shortfalls, s.fused, s.waiting} {
 			if err := opts.Registerer.Register(c); err != nil {
 				return nil, fmt.Errorf("read: register metrics: %w", err)
 			}
@@ -141,11 +161,29 @@ func (s *Stage) sem(session string) chan struct{} {
 func (s *Stage) Process(ctx context.Context, j *job.Job) error {
 	ctx, stop := j.Context(ctx)
 	defer stop()
+	// Fused or not is decided once per job: every task of it must land
+	// its slices the same way for the blocks to come out right.
+	j.Stitched = s.fuses(j.Plan)
+	if j.Stitched {
+		s.fused.Inc()
+	}
 	g, gctx := errgroup.WithContext(ctx)
 	for i := range j.Plan.Tasks {
 		g.Go(func() error { return s.task(gctx, j, i) })
 	}
 	return g.Wait()
+}
+
+// fuses reports whether pl's reads land stitched (the head transpose fused
+// into them).
+func (s *Stage) fuses(pl plan.Plan) bool {
+	if s.opts.NoFuse || !pl.Stitch || pl.P < 2 {
+		return false
+	}
+	if _, ok := s.t.(StridedTransfer); !ok {
+		return false
+	}
+	return plan.CanInterleave(s.opts.Layout.BlockLen, s.opts.BlockSize, pl.P) == nil
 }
 
 // readsPool holds the per-task compact reads (their run storage is reused).
@@ -195,7 +233,7 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 		}
 		defer func() { <-sem }()
 	}
-	if err := s.batch(ctx, session, rd); err != nil {
+	if err := s.batch(ctx, session, rd, j.Stitched); err != nil {
 		s.failures.Inc()
 		if s.opts.Invalidate != nil && ctx.Err() == nil {
 			s.opts.Invalidate(j, i)
@@ -214,7 +252,14 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 // plain Transfer. With a ledger (ReadsLedgerTransfer or LedgerTransfer) it
 // reconciles what landed with the manifest (rd) and turns any shortfall
 // into an error naming the first short op.
-func (s *Stage) batch(ctx context.Context, session string, rd *plan.Reads) error {
+func (s *Stage) batch(ctx context.Context, session string, rd *plan.Reads, fused bool) error {
+	if fused {
+		row, pitch, err := rd.Interleave(s.opts.BlockSize)
+		if err != nil { // fuses checked the layout: not reached
+			return err
+		}
+		return s.t.(StridedTransfer).BatchReadsStrided(ctx, session, rd, row, pitch)
+	}
 	var landed []uint64
 	switch t := s.t.(type) {
 	case ReadsLedgerTransfer:

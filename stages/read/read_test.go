@@ -243,3 +243,89 @@ func TestTransferKinds(t *testing.T) {
 		})
 	}
 }
+
+// stridedKind also records the stride it was asked for.
+type stridedKind struct {
+	readsKind
+	row, pitch uint64
+}
+
+func (s *stridedKind) BatchReadsStrided(_ context.Context, _ string, rd *plan.Reads, row, pitch uint64) error {
+	s.record(rd.AppendTo(nil))
+	s.row, s.pitch = row, pitch
+	return nil
+}
+
+// TestFusedStitch: with a StridedTransfer and a P > 1 plan the stage reads
+// interleaved (each slot's op starts at slot*row/P, rows of row/P bytes,
+// row apart) and marks the job Stitched; with NoFuse, P == 1, no block
+// size or a block that does not split, it reads as the seed does and
+// leaves the job for the stitch stage.
+func TestFusedStitch(t *testing.T) {
+	const bs = 16 // 4096-byte blocks: rows of 256 bytes
+	p2 := func() *job.Job {
+		j := testJob(2)
+		j.Plan.P, j.Plan.Stitch = 2, true
+		for i := range j.Plan.Tasks {
+			j.Plan.Tasks[i].P, j.Plan.Tasks[i].HeadSlot = 2, i
+		}
+		return j
+	}
+	for _, c := range []struct {
+		name    string
+		j       *job.Job
+		opts    func(*Options)
+		strided bool
+	}{
+		{"P 2", p2(), func(*Options) {}, true},
+		{"no fuse", p2(), func(o *Options) { o.NoFuse = true }, false},
+		{"no block size", p2(), func(o *Options) { o.BlockSize = 0 }, false},
+		{"rows do not split", p2(), func(o *Options) { o.BlockSize = 4096 }, false},
+		{"P 1", testJob(2), func(*Options) {}, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			k := &stridedKind{readsKind: readsKind{&kindTransfer{short: -1}}}
+			o := Options{
+				Layout:    plan.CacheLayout{BlockLen: []uint64{4096}, CachesPerLayer: 2},
+				Local:     plan.Caches{Base: []uint64{5 << 30, 6 << 30, 7 << 30, 8 << 30}, NumBlocks: 8},
+				BlockSize: bs,
+			}
+			c.opts(&o)
+			s, err := New(k, o)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Process(context.Background(), c.j); err != nil {
+				t.Fatal(err)
+			}
+			if c.j.Stitched != c.strided {
+				t.Fatalf("Stitched %v, want %v", c.j.Stitched, c.strided)
+			}
+			if got := k.row != 0; got != c.strided {
+				t.Fatalf("strided read %v (row %d pitch %d), want %v", got, k.row, k.pitch, c.strided)
+			}
+			if c.strided && (k.row != 4096/bs/2 || k.pitch != 4096/bs) {
+				t.Fatalf("stride %d/%d, want rows of %d, %d apart", k.row, k.pitch, 4096/bs/2, 4096/bs)
+			}
+			for i, tk := range c.j.Plan.Tasks {
+				rd := new(plan.Reads)
+				if err := rd.Build(o.Layout, tk, o.Local, plan.Caches{Base: c.j.Metas[i].BaseAddrs, NumBlocks: 8}); err != nil {
+					t.Fatal(err)
+				}
+				if c.strided {
+					if _, _, err := rd.Interleave(bs); err != nil {
+						t.Fatal(err)
+					}
+				}
+				want := rd.AppendTo(nil)
+				found := false
+				for _, ops := range k.ops {
+					found = found || slices.Equal(ops, want)
+				}
+				if !found {
+					t.Fatalf("task %d: transfer got %v, want %v among them", i, k.ops, want)
+				}
+			}
+		})
+	}
+}

@@ -15,9 +15,10 @@ type Kernel interface {
 // Stage is the stitch stage.
 type Stage struct{ Kernel Kernel }
 
-// Process stitches j's blocks when its plan needs it.
+// Process stitches j's blocks when its plan needs it and the read stage
+// did not already land them stitched (job.Job.Stitched).
 func (s Stage) Process(ctx context.Context, j *job.Job) error {
-	if !j.Plan.Stitch || j.Plan.P <= 1 {
+	if !j.Plan.Stitch || j.Plan.P <= 1 || j.Stitched {
 		return nil
 	}
 	blocks := j.StitchBlocks()
