@@ -21,7 +21,10 @@
 //     delay (plus uniform jitter if asked), in order, with a bounded
 //     number of bytes in flight. Decode workers reach prefill at the same
 //     127.0.0.1:<port> address prefill advertises, so no configuration
-//     changes. Only "delay D [J]" is emulated; anything else is refused
+//     changes. Bytes are spliced (socket to pipe, held there, pipe to
+//     socket), never copied through the relay's memory: the emulated
+//     link should cost the benchmark's cores as little as a qdisc would
+//     (a copying line remains for connections that are not TCP). Only "delay D [J]" is emulated; anything else is refused
 //     with an error naming what is unsupported. Differences from netem:
 //     the TCP handshake is not delayed (connect returns once the relay
 //     accepts; only bytes and FIN are), jitter never reorders (a chunk

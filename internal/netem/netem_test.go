@@ -128,7 +128,18 @@ func relayedEcho(t *testing.T, n *Net) (net.Conn, int) {
 
 func portAddr(p int) string { return net.JoinHostPort("127.0.0.1", strconv.Itoa(p)) }
 
+// TestUserspaceEchoThroughRelay runs with the splice line (TCP to TCP,
+// the default) and with the copying one.
 func TestUserspaceEchoThroughRelay(t *testing.T) {
+	t.Run("splice", testUserspaceEcho)
+	t.Run("copy", func(t *testing.T) {
+		copyRelay = true
+		defer func() { copyRelay = false }()
+		testUserspaceEcho(t)
+	})
+}
+
+func testUserspaceEcho(t *testing.T) {
 	needNetns(t)
 	noLeak(t) // registered first: checked after Close
 	n := setup(t, Options{Spec: "delay 1ms", Mode: ModeUserspace, RelayBuffer: 256 << 10})

@@ -22,6 +22,9 @@ const (
 	dialWait   = 10 * time.Second
 )
 
+// copyRelay makes every relay use the copying delay line (tests).
+var copyRelay bool
+
 var bufPool = sync.Pool{New: func() any { b := make([]byte, readSize); return &b }}
 
 // relay accepts on ln (inside decode) and forwards each connection to
@@ -113,7 +116,14 @@ func (r *relay) serve(client net.Conn) {
 	}
 	wg.Add(4)
 	for _, p := range [][2]net.Conn{{client, server}, {server, client}} {
-		line := newDelayLine(r.spec, r.buf)
+		var line interface {
+			read(context.Context, net.Conn)
+			write(context.Context, net.Conn) bool
+		} = newDelayLine(r.spec, r.buf)
+		if sl := newSpliceLine(r.spec, r.buf, p[0], p[1]); sl != nil && !copyRelay {
+			line = sl
+			defer sl.close() // after wg.Wait: both of its goroutines returned
+		}
 		go func() { defer wg.Done(); line.read(ctx, p[0]) }()
 		go func() { defer wg.Done(); end(line.write(ctx, p[1])) }()
 	}
