@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what kvflow needs to build and test, only when it is missing:
-# libzmq (cgo, for pebbe/zmq4), pkg-config, and Debian's python3 modules used by
-# the interop tests and the Python client. Safe to run repeatedly.
+# libzmq (cgo, for pebbe/zmq4), pkg-config, Debian's python3 modules used by
+# the interop tests and the Python client, and (as root) iptables for the
+# network-namespace delay. Safe to run repeatedly.
 set -euo pipefail
 
 need=()
@@ -15,6 +16,11 @@ else
   need+=(python3 python3-zmq python3-msgpack python3-numpy)
 fi
 command -v gcc >/dev/null 2>&1 || need+=(gcc)
+# As root the --netem tests and bench delay packets in a netfilter queue,
+# set up with iptables(8) inside their own network namespaces.
+if [ "$(id -u)" = 0 ]; then
+  command -v iptables >/dev/null 2>&1 || need+=(iptables)
+fi
 
 if [ ${#need[@]} -eq 0 ]; then
   exit 0

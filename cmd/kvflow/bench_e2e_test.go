@@ -133,24 +133,29 @@ func TestBenchE2ENetem(t *testing.T) {
 	if err := netem.Available(); err != nil {
 		t.Skip(err)
 	}
-	code, out, errOut := runCmd("bench", "e2e", "--netem", "delay 1ms", "--workload", "small", "--requests", "8", "--blocks", "2",
-		"--layers", "2", "--verify", "-1", "--raw-mib", "1", "--json")
-	if code != exitOK {
-		t.Fatalf("exit %d\n%s\n%s", code, out, errOut)
-	}
-	var res benche2e.Result
-	if err := json.Unmarshal([]byte(out), &res); err != nil {
-		t.Fatalf("%v\n%s", err, out)
-	}
-	if res.Netem != "delay 1ms" || res.NetemMode == "" || len(res.Reports) != 1 || !strings.Contains(res.Reports[0].Workers, "netns") {
-		t.Fatalf("netem %q mode %q reports %+v", res.Netem, res.NetemMode, res.Reports)
-	}
-	for _, r := range res.Reports[0].Runs {
-		if r.Failed != 0 || r.BadBytes != 0 || r.Verified != 8 || len(r.Stages) == 0 {
-			t.Errorf("%s: %+v", r.Mode, r)
-		}
-	}
-	if pids := serveChildren(t); len(pids) != 0 {
-		t.Errorf("workers left running: %v", pids)
+	for _, mode := range []string{"auto", "relay"} {
+		t.Run(mode, func(t *testing.T) {
+			code, out, errOut := runCmd("bench", "e2e", "--netem", "delay 1ms", "--netem-mode", mode, "--workload", "small", "--requests", "8", "--blocks", "2",
+				"--layers", "2", "--verify", "-1", "--raw-mib", "1", "--json")
+			if code != exitOK {
+				t.Fatalf("exit %d\n%s\n%s", code, out, errOut)
+			}
+			var res benche2e.Result
+			if err := json.Unmarshal([]byte(out), &res); err != nil {
+				t.Fatalf("%v\n%s", err, out)
+			}
+			if res.Netem != "delay 1ms" || res.NetemMode == "" || len(res.Reports) != 1 || !strings.Contains(res.Reports[0].Workers, "netns") {
+				t.Fatalf("netem %q mode %q reports %+v", res.Netem, res.NetemMode, res.Reports)
+			}
+			t.Logf("--netem-mode %s: %s", mode, res.NetemMode)
+			for _, r := range res.Reports[0].Runs {
+				if r.Failed != 0 || r.BadBytes != 0 || r.Verified != 8 || len(r.Stages) == 0 {
+					t.Errorf("%s: %+v", r.Mode, r)
+				}
+			}
+			if pids := serveChildren(t); len(pids) != 0 {
+				t.Errorf("workers left running: %v", pids)
+			}
+		})
 	}
 }

@@ -5,13 +5,26 @@
 // the requested delay, and nothing else on the machine is affected.
 //
 // Setup creates the two namespaces (kvP-<id> and kvD-<id>) and chooses
-// one of two ways, automatically unless Options.Mode forces one:
+// one of three ways, in this order, automatically unless Options.Mode
+// forces one:
 //
 //   - kernel netem: a veth pair joins the namespaces (10.199.0.1/30 in
 //     prefill, 10.199.0.2/30 in decode) and `tc qdisc add dev <veth>
 //     root netem <spec>` runs on both ends, so the round trip is twice
 //     the delay. Workers bind to PrefillAddr / DecodeAddr.
-//   - userspace delay relay, when the kernel has no sch_netem ("Error:
+//   - netfilter queue delay, when the kernel has no sch_netem but has
+//     nfnetlink_queue and iptables(8) is installed: the same veth pair,
+//     and in each namespace an iptables rule (INPUT, -i the veth, -j
+//     NFQUEUE) hands every arriving packet to netfilter queue 0, where
+//     it waits until this process accepts it, no earlier than delay
+//     (plus jitter, never reordered) after it was queued. Only packet
+//     ids cross to this process (copy mode meta; GSO packets whole), and
+//     one batch verdict accepts every packet due. Held on arrival rather
+//     than on the way out, packets no longer count against the sender's
+//     TCP small-queue limit, as with netem's own qdisc. Like netem, every
+//     packet is delayed, SYN and ACK included, so TCP sees the round
+//     trip. Only "delay D [J]" is emulated.
+//   - userspace delay relay, when neither is there ("Error:
 //     Specified qdisc kind is unknown."): the namespaces have only lo, no
 //     link between them. For each port named to Relay, this process
 //     listens on 127.0.0.1:<port> inside the decode namespace and

@@ -37,8 +37,8 @@ const (
 type Mode int
 
 const (
-	// ModeAuto uses kernel netem when the kernel accepts the qdisc and
-	// the userspace relay otherwise.
+	// ModeAuto uses kernel netem when the kernel accepts the qdisc, else
+	// the netfilter queue delay (ModeQueue), else the userspace relay.
 	ModeAuto Mode = iota
 	// ModeKernel requires kernel netem; Setup fails with
 	// ErrNetemUnavailable without it.
@@ -46,6 +46,13 @@ const (
 	// ModeUserspace uses the userspace delay relay even when kernel netem
 	// would work.
 	ModeUserspace
+	// ModeQueue joins the namespaces with the veth pair of ModeKernel and
+	// delays the packets leaving each veth in the kernel's netfilter
+	// queue (an iptables NFQUEUE rule queues them, this process accepts
+	// each no earlier than its delay): for kernels without sch_netem.
+	// Auto mode uses it before the relay when iptables(8) and
+	// nfnetlink_queue are there.
+	ModeQueue
 )
 
 func (m Mode) String() string {
@@ -56,6 +63,8 @@ func (m Mode) String() string {
 		return "kernel netem"
 	case ModeUserspace:
 		return "userspace delay relay"
+	case ModeQueue:
+		return "netfilter queue delay"
 	}
 	return "Mode(" + strconv.Itoa(int(m)) + ")"
 }
@@ -108,7 +117,8 @@ type Net struct {
 	mu     sync.Mutex
 	closed bool
 	relays map[int]*relay
-	made   []string // namespaces created, for Close
+	queues []*queueDelayer // ModeQueue: one per namespace
+	made   []string        // namespaces created, for Close
 }
 
 var idRE = regexp.MustCompile(`^[A-Za-z0-9_-]{1,32}$`)
@@ -164,7 +174,7 @@ func Setup(ctx context.Context, o Options) (n *Net, err error) {
 	if o.RelayBuffer == 0 {
 		o.RelayBuffer = DefaultRelayBuffer
 	}
-	if o.Mode < ModeAuto || o.Mode > ModeUserspace {
+	if o.Mode < ModeAuto || o.Mode > ModeQueue {
 		return nil, fmt.Errorf("netem: unknown mode %d", int(o.Mode))
 	}
 	raw, err := Tokens(o.Spec)
@@ -181,7 +191,7 @@ func Setup(ctx context.Context, o Options) (n *Net, err error) {
 	}
 	n.spec, err = ParseSpec(o.Spec)
 	n.specOK = err == nil
-	if o.Mode == ModeUserspace && !n.specOK {
+	if (o.Mode == ModeUserspace || o.Mode == ModeQueue) && !n.specOK {
 		return nil, err
 	}
 	if err := Available(); err != nil {
@@ -211,13 +221,30 @@ func Setup(ctx context.Context, o Options) (n *Net, err error) {
 		n.mode, n.why = ModeUserspace, "userspace delay relay (forced)"
 		return n, nil
 	}
-	kerr := n.kernel(ctx)
-	if kerr == nil {
+	var kerr error
+	if o.Mode == ModeQueue {
+		kerr = n.veth(ctx)
+	} else if kerr = n.kernel(ctx); kerr == nil {
 		n.mode, n.why = ModeKernel, "kernel netem (tc qdisc netem "+strings.Join(raw, " ")+" on both veth ends)"
 		return n, nil
 	}
-	if o.Mode == ModeKernel || !errors.Is(kerr, ErrNetemUnavailable) {
+	if o.Mode == ModeKernel || (kerr != nil && !errors.Is(kerr, ErrNetemUnavailable)) {
 		return n, kerr
+	}
+	// No sch_netem: the netfilter queue, else the relay.
+	if n.specOK {
+		qerr := n.queue(ctx)
+		if qerr == nil {
+			n.mode, n.why = ModeQueue, "netfilter queue delay on both veth ends (kernel has no sch_netem)"
+			if o.Mode == ModeQueue {
+				n.why = "netfilter queue delay on both veth ends (forced)"
+			}
+			return n, nil
+		}
+		if o.Mode == ModeQueue {
+			return n, qerr
+		}
+		n.why = "; no netfilter queue: " + qerr.Error()
 	}
 	// Auto, no sch_netem: no link between the namespaces at all, so
 	// nothing bypasses the relay.
@@ -228,13 +255,65 @@ func Setup(ctx context.Context, o Options) (n *Net, err error) {
 		_, perr := ParseSpec(o.Spec)
 		return n, fmt.Errorf("netem: the kernel has no sch_netem and %w", perr)
 	}
-	n.mode, n.why = ModeUserspace, "userspace delay relay (kernel has no sch_netem)"
+	n.mode, n.why = ModeUserspace, "userspace delay relay (kernel has no sch_netem"+n.why+")"
 	return n, nil
+}
+
+// queue delays both veth ends' outgoing packets in netfilter queues. On
+// error it leaves nothing running (the rules die with the namespaces).
+func (n *Net) queue(ctx context.Context) error {
+	if _, err := exec.LookPath("iptables"); err != nil {
+		return err
+	}
+	for _, e := range [][2]string{{n.prefillNS, prefillVeth}, {n.decodeNS, decodeVeth}} {
+		q, err := startQueueDelayer(e[0], n.spec)
+		if err != nil {
+			n.stopQueues()
+			return err
+		}
+		n.mu.Lock()
+		n.queues = append(n.queues, q)
+		n.mu.Unlock()
+		if err := ipRun(ctx, append([]string{"netns", "exec", e[0], "iptables"}, queueRule(e[1])...)...); err != nil {
+			n.stopQueues()
+			return err
+		}
+	}
+	return nil
+}
+
+func (n *Net) stopQueues() error {
+	n.mu.Lock()
+	qs := n.queues
+	n.queues = nil
+	n.mu.Unlock()
+	var errs []error
+	for _, q := range qs {
+		errs = append(errs, q.stop())
+	}
+	return errors.Join(errs...)
 }
 
 // kernel makes the veth pair inside the namespaces and puts netem on
 // both ends.
 func (n *Net) kernel(ctx context.Context) error {
+	if err := n.veth(ctx); err != nil {
+		return err
+	}
+	for _, e := range [][2]string{{n.prefillNS, prefillVeth}, {n.decodeNS, decodeVeth}} {
+		args := append([]string{"-n", e[0], "qdisc", "add", "dev", e[1], "root", "netem"}, n.raw...)
+		if err := run(ctx, "tc", args...); err != nil {
+			if strings.Contains(err.Error(), "qdisc kind is unknown") {
+				return fmt.Errorf("%w: %v", ErrNetemUnavailable, err)
+			}
+			return err
+		}
+	}
+	return nil
+}
+
+// veth makes the veth pair inside the namespaces, addressed and up.
+func (n *Net) veth(ctx context.Context) error {
 	steps := [][]string{
 		{"-n", n.prefillNS, "link", "add", prefillVeth, "type", "veth", "peer", "name", decodeVeth, "netns", n.decodeNS},
 		{"-n", n.prefillNS, "addr", "add", prefillVethIP + vethPrefixLen, "dev", prefillVeth},
@@ -244,15 +323,6 @@ func (n *Net) kernel(ctx context.Context) error {
 	}
 	for _, s := range steps {
 		if err := ipRun(ctx, s...); err != nil {
-			return err
-		}
-	}
-	for _, e := range [][2]string{{n.prefillNS, prefillVeth}, {n.decodeNS, decodeVeth}} {
-		args := append([]string{"-n", e[0], "qdisc", "add", "dev", e[1], "root", "netem"}, n.raw...)
-		if err := run(ctx, "tc", args...); err != nil {
-			if strings.Contains(err.Error(), "qdisc kind is unknown") {
-				return fmt.Errorf("%w: %v", ErrNetemUnavailable, err)
-			}
 			return err
 		}
 	}
@@ -282,7 +352,7 @@ func (n *Net) DecodeNS() string  { return n.decodeNS }
 // prefill veth address in kernel mode, 127.0.0.1 in userspace mode
 // (where Relay makes the same address reach it from decode).
 func (n *Net) PrefillAddr() string {
-	if n.mode == ModeKernel {
+	if n.mode == ModeKernel || n.mode == ModeQueue {
 		return prefillVethIP
 	}
 	return loopbackIP
@@ -290,7 +360,7 @@ func (n *Net) PrefillAddr() string {
 
 // DecodeAddr is the host decode workers bind to.
 func (n *Net) DecodeAddr() string {
-	if n.mode == ModeKernel {
+	if n.mode == ModeKernel || n.mode == ModeQueue {
 		return decodeVethIP
 	}
 	return loopbackIP
@@ -308,7 +378,7 @@ func (n *Net) Relay(ports ...int) error {
 	if n.closed {
 		return ErrClosed
 	}
-	if n.mode == ModeKernel {
+	if n.mode == ModeKernel || n.mode == ModeQueue {
 		return nil
 	}
 	for _, p := range ports {
@@ -395,6 +465,9 @@ func (n *Net) Close() error {
 		r.stop()
 	}
 	var errs []error
+	if err := n.stopQueues(); err != nil {
+		errs = append(errs, err)
+	}
 	for _, ns := range made {
 		if err := deleteNS(ns); err != nil {
 			errs = append(errs, err)

@@ -131,3 +131,17 @@ func FuzzParseSpec(f *testing.F) {
 		}
 	})
 }
+
+// FuzzPacketID: the netfilter-queue attribute walker never panics or
+// reads past its input, whatever the kernel (or a bug) hands it.
+func FuzzPacketID(f *testing.F) {
+	f.Add([]byte{12, 0, 1, 0, 0, 0, 0, 7, 8, 0, 3, 0})
+	f.Add([]byte{4, 0, 2, 0, 8, 0, 1, 0, 0, 0, 0, 9})
+	f.Add([]byte{0, 0, 1, 0})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		id, ok := packetID(b)
+		if ok && len(b) < 8 {
+			t.Fatalf("id %d from %d bytes", id, len(b))
+		}
+	})
+}

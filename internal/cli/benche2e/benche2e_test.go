@@ -40,6 +40,7 @@ func TestBadInputIsUsageErrorBeforeStarting(t *testing.T) {
 		{"bad plot", []string{"--plot", "out.png"}, "--plot"},
 		{"bad mem", []string{"--max-mem-gib", "0"}, "--max-mem-gib"},
 		{"bad netem", []string{"--netem", "delay 1ms; reboot"}, "--netem"},
+		{"bad netem mode", []string{"--netem", "delay 1ms", "--netem-mode", "fast"}, "--netem-mode"},
 	}
 	// A stand-in for the kvflow binary that leaves a mark if anything
 	// launches it.

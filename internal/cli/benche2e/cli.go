@@ -57,7 +57,8 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	verbose := fs.Bool("v", false, "log the workers at info level (in-process: to stderr; processes: to their logs in the work dir)")
 	inProcess := fs.Bool("in-process", false, "run the workers in this process (node.Start per rank) instead of as `kvflow serve` processes")
 	exe := fs.String("exe", "", "the kvflow binary the workers run as `kvflow serve` (default: this executable)")
-	netemSpec := fs.String("netem", "", `shape the link between prefill and decode, e.g. "delay 1ms": each side in its own network namespace (root, iproute2; kernel netem, or a userspace delay relay where the kernel has no sch_netem); process mode only`)
+	netemSpec := fs.String("netem", "", `shape the link between prefill and decode, e.g. "delay 1ms": each side in its own network namespace (root, iproute2; kernel netem, else a netfilter-queue delay (iptables), else a userspace delay relay); process mode only`)
+	netemMode := fs.String("netem-mode", "auto", "how --netem delays: auto, kernel (tc netem), queue (iptables NFQUEUE, verdicts from this process) or relay (userspace delay relay)")
 	plotPath := fs.String("plot", "", "also draw per-stage latency and throughput to this SVG file")
 	if err := clierr.ParseFlags(fs, args); err != nil {
 		return err
@@ -85,6 +86,10 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	if *inProcess && *netemSpec != "" {
 		errs = append(errs, errors.New("--netem: needs the workers as processes (drop --in-process)"))
+	}
+	netMode, merr := netemModeOf(*netemMode)
+	if merr != nil {
+		errs = append(errs, fmt.Errorf("--netem-mode: %w", merr))
 	}
 	if *netemSpec != "" {
 		if err := checkNetem(*netemSpec); err != nil {
@@ -198,7 +203,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	res := Result{GoVersion: runtime.Version(), CPUs: runtime.NumCPU(), Started: time.Now(), Netem: *netemSpec}
 	if *netemSpec != "" {
-		n, err := setupNet(ctx, *netemSpec)
+		n, err := setupNet(ctx, *netemSpec, netMode)
 		if err != nil {
 			return err
 		}
