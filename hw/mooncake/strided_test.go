@@ -104,3 +104,86 @@ func TestBatchReadStridedBadInput(t *testing.T) {
 		})
 	}
 }
+
+// TestScatterRows: every split of an op's bytes into pieces, starting and
+// ending anywhere in a row, lands each byte where Stride says.
+func TestScatterRows(t *testing.T) {
+	for _, s := range []Stride{{Row: 1, Pitch: 1}, {Row: 3, Pitch: 5}, {Row: 8, Pitch: 8}, {Row: 16, Pitch: 40},
+		{Row: 512, Pitch: 1024}, {Row: 320, Pitch: 328}} { // the last two: rows long enough for copyOut's stores
+		rows := 7
+		if s.Row > 64 {
+			rows = 3
+		}
+		n := int(s.Row) * rows
+		cuts := []int{}
+		for a := 0; a <= n; a++ {
+			if s.Row <= 64 || a%int(s.Row) < 2 || a%int(s.Row) > int(s.Row)-2 || a%97 == 0 {
+				cuts = append(cuts, a)
+			}
+		}
+		src := make([]byte, n)
+		for i := range src {
+			src[i] = byte(i + 1)
+		}
+		want := make([]byte, int(s.Extent(uint64(n))))
+		for i := range n {
+			want[uint64(i)/s.Row*s.Pitch+uint64(i)%s.Row] = src[i]
+		}
+		for _, a := range cuts {
+			for _, b := range cuts {
+				if b < a {
+					continue
+				}
+				dst := make([]byte, len(want)+1) // one guard byte
+				// Only the piece [a, b) is copied: compare it alone.
+				scatterRows(AddrOf(dst), s, uint64(a), src[a:b])
+				storeFence()
+				for i := range n {
+					at := uint64(i)/s.Row*s.Pitch + uint64(i)%s.Row
+					if exp := byte(0); i >= a && i < b {
+						exp = want[at]
+						if dst[at] != exp {
+							t.Fatalf("stride %+v piece [%d,%d): byte %d at %d = %d, want %d", s, a, b, i, at, dst[at], exp)
+						}
+					} else if dst[at] != 0 {
+						t.Fatalf("stride %+v piece [%d,%d): byte %d at %d written", s, a, b, i, at)
+					}
+				}
+				if dst[len(want)] != 0 {
+					t.Fatalf("stride %+v piece [%d,%d): wrote past the extent", s, a, b)
+				}
+			}
+		}
+	}
+}
+
+// TestCopyOut: copyOut (non-temporal stores for the aligned middle)
+// copies exactly, for every length and alignment of either side, and
+// writes nothing outside dst.
+func TestCopyOut(t *testing.T) {
+	src := make([]byte, 8192)
+	for i := range src {
+		src[i] = byte(i*31 + 7)
+	}
+	buf := make([]byte, 8192+128)
+	for _, n := range []int{0, 1, 63, 64, 255, 256, 257, 511, 512, 1000, 4096, 4159, 8000} {
+		for da := 0; da < 64; da += 7 {
+			for sa := 0; sa < 64; sa += 13 {
+				if sa+n > len(src) {
+					continue
+				}
+				clear(buf)
+				copyOut(buf[da:da+n], src[sa:sa+n])
+				storeFence()
+				if !bytes.Equal(buf[da:da+n], src[sa:sa+n]) {
+					t.Fatalf("n %d dst+%d src+%d: bytes differ", n, da, sa)
+				}
+				for i, b := range buf {
+					if (i < da || i >= da+n) && b != 0 {
+						t.Fatalf("n %d dst+%d src+%d: byte %d outside dst written", n, da, sa, i)
+					}
+				}
+			}
+		}
+	}
+}

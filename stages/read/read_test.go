@@ -252,7 +252,9 @@ type stridedKind struct {
 
 func (s *stridedKind) BatchReadsStrided(_ context.Context, _ string, rd *plan.Reads, row, pitch uint64) error {
 	s.record(rd.AppendTo(nil))
+	s.mu.Lock()
 	s.row, s.pitch = row, pitch
+	s.mu.Unlock()
 	return nil
 }
 
