@@ -14,6 +14,13 @@ type HostOptions struct {
 	// NoHugePages skips the huge-page attempts (MAP_HUGETLB, then
 	// MADV_HUGEPAGE). They are tried by default and fall back silently.
 	NoHugePages bool
+	// NoLock leaves the caches pageable. By default they are locked in
+	// memory (mlock) once mapped, as registering memory with an RDMA
+	// engine pins it: every page is then present in this process, and
+	// reclaim (or a DAMON pageout scheme) never unmaps one, so no transfer
+	// takes a page fault per 4 KiB. A lock refused by RLIMIT_MEMLOCK (an
+	// unprivileged process) leaves the memory pageable; Locked reports it.
+	NoLock bool
 	// StitchWorkers bounds the goroutines of one Stitch; 0 means GOMAXPROCS.
 	StitchWorkers int
 	// RemoveOnClose (CreateShm only) removes the file at Close. A Host never
@@ -38,6 +45,8 @@ type Host struct {
 	path    string
 	remove  bool // remove path at Close
 	hugeTLB bool
+	locked  bool
+	lockErr error // why the lock was refused, if it was
 	opts    StitchOptions
 
 	mu     sync.RWMutex // Stitch holds it shared, Close exclusive
@@ -54,6 +63,10 @@ func newHost(l Layout, mapping []byte, dataOffset int, path string, remove, huge
 	}
 	if len(data) > 0 {
 		h.base = uint64(uintptr(unsafe.Pointer(&data[0])))
+		if !opts.NoLock {
+			h.lockErr = lockMemory(data)
+			h.locked = h.lockErr == nil
+		}
 	}
 	return h
 }
@@ -111,6 +124,10 @@ func (h *Host) Path() string { return h.path }
 // HugeTLB reports whether the memory came from MAP_HUGETLB pages
 // (transparent huge pages are advice and not reported).
 func (h *Host) HugeTLB() bool { return h.hugeTLB }
+
+// Locked reports whether the caches are locked in memory (HostOptions.
+// NoLock) and, if a lock was asked for and refused, why.
+func (h *Host) Locked() (bool, error) { return h.locked, h.lockErr }
 
 // Stitch runs the stitch kernel (StitchMemory) on this memory.
 func (h *Host) Stitch(ctx context.Context, blockIDs []int, p int) error {

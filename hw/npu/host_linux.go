@@ -155,3 +155,11 @@ func mapShared(f *os.File, hd header, opts HostOptions) ([]byte, bool, error) {
 }
 
 func munmap(b []byte) error { return syscall.Munmap(b) }
+
+// lockMemory locks b's pages in memory, faulting them in.
+func lockMemory(b []byte) error {
+	if err := syscall.Mlock(b); err != nil {
+		return fmt.Errorf("npu: lock %d bytes of cache memory (RLIMIT_MEMLOCK?): %w", len(b), err)
+	}
+	return nil
+}

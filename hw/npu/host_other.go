@@ -23,3 +23,5 @@ func OpenShm(path string, opts HostOptions) (*Host, error) {
 }
 
 func munmap([]byte) error { return nil }
+
+func lockMemory([]byte) error { return errors.ErrUnsupported }

@@ -371,3 +371,32 @@ func FuzzDecodeHeader(f *testing.F) {
 		}
 	})
 }
+
+// TestLock: caches are locked in memory unless NoLock; a refused lock
+// (an unprivileged RLIMIT_MEMLOCK) says why and leaves a working Host.
+func TestLock(t *testing.T) {
+	s := Shape{NumLayers: 2, NumBlocks: 8, BlockSize: 16, DType: BF16, NumKVHeads: 2, HeadDim: 64}
+	l, err := NewLayout(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, noLock := range []bool{false, true} {
+		h, err := NewHost(l, HostOptions{NoHugePages: true, NoLock: noLock})
+		if err != nil {
+			t.Fatal(err)
+		}
+		locked, lerr := h.Locked()
+		switch {
+		case noLock && (locked || lerr != nil):
+			t.Errorf("NoLock: locked %v, err %v", locked, lerr)
+		case !noLock && !locked && lerr == nil:
+			t.Error("not locked and no reason given")
+		case !noLock && !locked:
+			t.Logf("lock refused here: %v", lerr)
+		}
+		h.Bytes(0, 0)[0] = 1 // usable either way
+		if err := h.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}

@@ -147,6 +147,12 @@ type Cache struct {
 	RemoveOnClose bool `json:"remove_on_close"`
 	// NoHugePages skips the huge-page attempts.
 	NoHugePages bool `json:"no_huge_pages"`
+	// NoLock leaves the caches pageable instead of locking them in memory
+	// (mlock, as an RDMA registration pins them). Locked, no transfer
+	// faults a page in, and reclaim never takes one; an unprivileged
+	// worker whose RLIMIT_MEMLOCK is too small logs a warning and runs
+	// unlocked.
+	NoLock bool `json:"no_lock"`
 }
 
 // Transfer-engine backends.

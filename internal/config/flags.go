@@ -56,6 +56,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&ca.Path, "cache-path", ca.Path, "shared-memory file; empty derives one under /dev/shm (cache.path)")
 	fs.BoolVar(&ca.RemoveOnClose, "cache-remove-on-close", ca.RemoveOnClose, "remove the shm file at exit (cache.remove_on_close)")
 	fs.BoolVar(&ca.NoHugePages, "no-huge-pages", ca.NoHugePages, "skip huge pages (cache.no_huge_pages)")
+	fs.BoolVar(&ca.NoLock, "no-lock", ca.NoLock, "leave the caches pageable instead of locking them in memory (cache.no_lock)")
 
 	n := &c.Node
 	fs.StringVar(&n.SideChannelHost, "side-channel-host", n.SideChannelHost, "side channel bind address, the worker's IP (node.side_channel_host)")

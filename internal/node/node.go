@@ -84,7 +84,7 @@ func Start(cfg config.Config, deps Deps) (_ *Node, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("node: cache layout: %w", err)
 	}
-	hopts := npu.HostOptions{NoHugePages: cfg.Cache.NoHugePages, RemoveOnClose: cfg.Cache.RemoveOnClose}
+	hopts := npu.HostOptions{NoHugePages: cfg.Cache.NoHugePages, RemoveOnClose: cfg.Cache.RemoveOnClose, NoLock: cfg.Cache.NoLock}
 	switch cfg.Cache.Mode {
 	case config.CacheShm:
 		n.Device, err = npu.CreateShm(cfg.CachePath(), layout, hopts)
@@ -98,6 +98,9 @@ func Start(cfg config.Config, deps Deps) (_ *Node, err error) {
 		return nil, fmt.Errorf("node: kv cache: %w", err)
 	}
 	n.closers = append(n.closers, func(context.Context) error { return n.Device.Close() })
+	if locked, lerr := n.Device.Locked(); !locked && lerr != nil {
+		log.Warn("kv cache memory not locked: transfers may fault pages in, and reclaim may take them", "err", lerr)
+	}
 
 	tc := mooncake.DefaultTCPConfig()
 	tc.Host = cfg.TEHost()

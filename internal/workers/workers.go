@@ -223,7 +223,7 @@ func (s *Set) Launch(ctx context.Context, spec Spec) (*Worker, error) {
 	w.Ctl = s.Client(w, 10*time.Second)
 	if cfg.Cache.Mode == config.CacheShm {
 		shape, _ := cfg.Shape()
-		w.Cache, err = npu.OpenShm(cfg.Cache.Path, npu.HostOptions{NoHugePages: true, Expect: &shape})
+		w.Cache, err = npu.OpenShm(cfg.Cache.Path, npu.HostOptions{NoHugePages: true, NoLock: true, Expect: &shape})
 		if err != nil {
 			return nil, fmt.Errorf("workers: attach %s cache: %w", name, err)
 		}
