@@ -13,6 +13,18 @@
 // tp_num_need_pulls 4, 64 layers and 128 blocks is 65,536 ops (1.5 MiB),
 // so that list is written once, where the engine needs it, never twice.
 //
+// Fused stitch: with tp_num_need_pulls P > 1 a decode block is the P
+// prefill ranks' slices of every token, and the seed reads each slice
+// contiguously and then transposes the block. When the transfer can lay an
+// op's bytes out in strided rows (StridedTransfer: the TCP engine) and
+// Options.BlockSize splits every block into P equal token slices, the
+// stage instead interleaves the reads (plan.Reads.Interleave: same remote
+// ranges and lengths, each op starting at its slot in the block's first
+// token, rows of row/P bytes one token apart), so the blocks land
+// stitched and the job is marked Stitched for the stitch stage to skip.
+// The decision is per job, before any task runs: every slice of a block
+// must land the same way. Options.NoFuse keeps the seed's way.
+//
 // A per-session limit (the remote prefill rank's transfer-engine endpoint)
 // bounds how many batches run against one peer, so one slow prefill rank
 // cannot take every worker: jobs for other peers keep moving. A failed read
