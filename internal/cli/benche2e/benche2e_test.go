@@ -146,3 +146,24 @@ func TestListenPorts(t *testing.T) {
 		t.Errorf("ports %v lack %v", ports, ln.Addr())
 	}
 }
+
+func TestMedian(t *testing.T) {
+	for _, c := range []struct {
+		in   []float64
+		want float64
+	}{
+		{[]float64{3}, 3},
+		{[]float64{4.8, 3.0, 3.5}, 3.5},
+		{[]float64{1, 4, 2, 3}, 2.5},
+	} {
+		in := append([]float64(nil), c.in...)
+		if got := median(c.in); got != c.want {
+			t.Errorf("median(%v) = %v, want %v", c.in, got, c.want)
+		}
+		for i := range in {
+			if in[i] != c.in[i] {
+				t.Errorf("median reordered its input: %v", c.in)
+			}
+		}
+	}
+}

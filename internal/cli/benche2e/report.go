@@ -36,7 +36,7 @@ func (rep *Report) WriteText(w io.Writer) {
 		fmt.Fprintf(w, "   workers: %s\n", rep.Workers)
 	}
 	if rep.RawTCP1 > 0 {
-		fmt.Fprintf(w, "   raw TCP loopback ceiling (same run): 1 conn %.2f GB/s, 4 conns %.2f GB/s\n", rep.RawTCP1, rep.RawTCP4)
+		fmt.Fprintf(w, "   raw TCP loopback ceiling (same run): 1 conn %.2f GB/s (median of %s), 4 conns %.2f GB/s\n", rep.RawTCP1, gbList(rep.RawSamples), rep.RawTCP4)
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "mode\treq\tfailed\tGiB\twall\tGB/s\treq/s\tp50\tp99\tmax\tverified\tbad bytes\t")
@@ -79,4 +79,13 @@ func (rep *Report) WriteText(w io.Writer) {
 			fmt.Fprintf(w, "   %s first error: %s\n", r.Mode, r.FirstErr)
 		}
 	}
+}
+
+// gbList is "3.10, 3.42, 2.98".
+func gbList(v []float64) string {
+	parts := make([]string, len(v))
+	for i, x := range v {
+		parts[i] = fmt.Sprintf("%.2f", x)
+	}
+	return strings.Join(parts, ", ")
 }

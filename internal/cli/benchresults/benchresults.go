@@ -218,6 +218,7 @@ func renderE2E(p printf, res *benche2e.Result) {
 	if len(res.Reports) > 0 {
 		p("Workers: %s.\n\n", res.Reports[0].Workers)
 	}
+	p("Raw TCP 1 conn: the median of three 1-connection loopback streams measured just before the workload's runs\n(each workload's three in the JSON).\n\n")
 	p("| workload | layers | kvflow GB/s | serial GB/s | kvflow/serial | raw TCP 1 conn GB/s | kvflow/raw | kvflow req/s | serial req/s | kvflow/serial |\n")
 	p("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
 	for _, rep := range res.Reports {
