@@ -102,10 +102,47 @@ func sleep(ctx context.Context, d time.Duration) error {
 }
 
 // Transfer wraps t. The wrapper takes compact reads and has a ledger
-// (read.ReadsLedgerTransfer) whatever t takes. It never offers strided
-// reads (read.StridedTransfer has no ledger to catch a ShortRead), so jobs
-// run under it are read as the seed does and stitched by the stitch stage.
-func (in *Injector) Transfer(t read.Transfer) read.Transfer { return transfer{in, t} }
+// (read.ReadsLedgerTransfer) whatever t takes, and takes strided reads
+// (read.StridedTransfer) when t does, so a P > 1 job under faults is read
+// with its transpose fused, as without them.
+func (in *Injector) Transfer(t read.Transfer) read.Transfer {
+	if _, ok := t.(read.StridedTransfer); ok {
+		return stridedTransfer{transfer{in, t}}
+	}
+	return transfer{in, t}
+}
+
+var _ read.StridedTransfer = stridedTransfer{}
+
+// stridedTransfer is transfer for an inner read.StridedTransfer.
+type stridedTransfer struct{ transfer }
+
+// BatchReadsStrided runs the strided reads under the schedule. Strided
+// reads have no ledger and no prefix form: Truncate and ShortRead run
+// none of the ops and fail the batch (a silent short read could not be
+// told from a whole one here; the ledger tests cover it on the other
+// paths). Fail, Delay and Duplicate act as for the other forms.
+func (t stridedTransfer) BatchReadsStrided(ctx context.Context, session string, r *plan.Reads, row, pitch uint64) error {
+	inner := t.t.(read.StridedTransfer)
+	run := func() error { return inner.BatchReadsStrided(ctx, session, r, row, pitch) }
+	n := r.Len()
+	d := t.in.decide(Read, readKey(session, batch{r: r}), n)
+	switch d.Kind {
+	case Fail:
+		return injected(Read, Fail, session)
+	case Delay:
+		if err := sleep(ctx, d.Delay); err != nil {
+			return err
+		}
+	case Truncate, ShortRead:
+		return injected(Read, Truncate, fmt.Sprintf("%s: strided, 0 of %d ops run", session, n))
+	case Duplicate:
+		if err := run(); err != nil {
+			return err
+		}
+	}
+	return run()
+}
 
 var _ read.ReadsLedgerTransfer = transfer{}
 var _ read.LedgerTransfer = transfer{}

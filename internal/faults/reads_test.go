@@ -116,3 +116,61 @@ func TestTransferCompactReads(t *testing.T) {
 		})
 	}
 }
+
+// stridedFake also takes strided reads, recording the stride.
+type stridedFake struct {
+	readsFake
+	strides [][2]uint64
+}
+
+func (f *stridedFake) BatchReadsStrided(_ context.Context, _ string, r *plan.Reads, row, pitch uint64) error {
+	f.add(r.AppendTo(nil), true)
+	f.mu.Lock()
+	f.strides = append(f.strides, [2]uint64{row, pitch})
+	f.mu.Unlock()
+	return nil
+}
+
+// The wrapper offers strided reads exactly when the inner transfer does;
+// under each read fault a strided batch runs whole, twice, or not at all,
+// never in part, and a cut one (Truncate, ShortRead) fails: with no
+// ledger, a silent partial read could not be caught.
+func TestTransferStridedReads(t *testing.T) {
+	if _, ok := mustNew(t, Schedule{}).Transfer(&readsFake{}).(read.StridedTransfer); ok {
+		t.Fatal("wrapper of a non-strided transfer offers strided reads")
+	}
+	rd := testReads(t)
+	for _, c := range []struct {
+		kind  Kind
+		rates Rates
+		calls int
+		fails bool
+	}{
+		{None, Rates{}, 1, false},
+		{Fail, Rates{Fail: 1}, 0, true},
+		{Delay, Rates{Delay: 1}, 1, false},
+		{Truncate, Rates{Truncate: 1}, 0, true},
+		{ShortRead, Rates{ShortRead: 1}, 0, true},
+		{Duplicate, Rates{Duplicate: 1}, 2, false},
+	} {
+		t.Run(c.kind.String(), func(t *testing.T) {
+			f := &stridedFake{}
+			tr, ok := mustNew(t, Schedule{Seed: 3, Read: c.rates, MaxDelay: time.Millisecond}).Transfer(f).(read.StridedTransfer)
+			if !ok {
+				t.Fatal("wrapper of a strided transfer does not offer strided reads")
+			}
+			err := tr.BatchReadsStrided(context.Background(), "h:1", rd, 16, 64)
+			if (err != nil) != c.fails || (err != nil && !errors.Is(err, ErrInjected)) {
+				t.Fatalf("err %v, want failure %v", err, c.fails)
+			}
+			if len(f.calls) != c.calls {
+				t.Fatalf("%d inner calls, want %d", len(f.calls), c.calls)
+			}
+			for i, s := range f.strides {
+				if s != [2]uint64{16, 64} || len(f.calls[i]) != rd.Len() {
+					t.Fatalf("call %d: stride %v, %d ops", i, s, len(f.calls[i]))
+				}
+			}
+		})
+	}
+}
