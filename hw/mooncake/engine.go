@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"unsafe"
 )
@@ -28,14 +29,19 @@ func (s Stride) Extent(n uint64) uint64 {
 	return (n/s.Row-1)*s.Pitch + s.Row
 }
 
-// Validate checks s against ops.
+// Validate checks s against ops: whole rows, and every op's extent
+// representable (no wrap-around: the extent is what gets pinned and
+// checked against the registered regions).
 func (s Stride) Validate(ops []Op) error {
-	if s.Row == 0 || s.Pitch < s.Row {
-		return fmt.Errorf("mooncake: stride of %d-byte rows %d bytes apart: want 0 < row <= pitch", s.Row, s.Pitch)
+	if s.Row == 0 || s.Pitch < s.Row || s.Pitch > math.MaxInt32 {
+		return fmt.Errorf("mooncake: stride of %d-byte rows %d bytes apart: want 0 < row <= pitch <= 2^31-1", s.Row, s.Pitch)
 	}
 	for i, op := range ops {
 		if op.Length%s.Row != 0 {
 			return fmt.Errorf("mooncake: op %d: %d bytes are not whole %d-byte rows", i, op.Length, s.Row)
+		}
+		if rows := op.Length / s.Row; rows > 0 && (rows-1) > (math.MaxInt64-s.Row)/s.Pitch {
+			return fmt.Errorf("mooncake: op %d: %d rows %d bytes apart overflow the address space", i, rows, s.Pitch)
 		}
 	}
 	return nil

@@ -243,3 +243,61 @@ func TestWindowRefillsAtHalf(t *testing.T) {
 		t.Fatalf("target read %d headers, want %d", got.Load(), n)
 	}
 }
+
+// TestWindowRefillsWhileStreaming: an answer partly buffered must not
+// keep the lane from refilling its window once half of it is answered
+// (draining "while anything is buffered" would empty the window first and
+// idle the target for a round trip). The target answers two of four
+// requests and half of the third, then pauses: by then the client must
+// have sent two more headers.
+func TestWindowRefillsWhileStreaming(t *testing.T) {
+	const window, n, size = 4, 16, 64 << 10
+	var got atomic.Int64
+	paused := make(chan int64, 1)
+	f := newRawPeer(t, func(c net.Conn) {
+		hdrs := make(chan Header, n)
+		var wg sync.WaitGroup
+		wg.Go(func() {
+			defer close(hdrs)
+			var hb [HeaderSize]byte
+			for {
+				if _, err := io.ReadFull(c, hb[:]); err != nil {
+					return
+				}
+				h, _ := ParseHeader(&hb)
+				got.Add(1)
+				hdrs <- h
+			}
+		})
+		k := 0
+		for h := range hdrs {
+			if k == window/2 {
+				var st [StatusSize]byte
+				PutStatus(&st, StatusOK)
+				c.Write(st[:])
+				c.Write(make([]byte, h.Size/2))
+				time.Sleep(100 * time.Millisecond)
+				paused <- got.Load()
+				if _, err := c.Write(make([]byte, h.Size-h.Size/2)); err != nil {
+					break
+				}
+			} else if !serveOK(c, h) {
+				break
+			}
+			k++
+		}
+		c.Close()
+		wg.Wait()
+	})
+	cfg := testConfig()
+	cfg.Lanes, cfg.Pipeline, cfg.PipelineBytes = 1, window, 0
+	cli, _ := newEngine(t, cfg)
+	defer cli.Close()
+	loc := register(t, cli, n*size, 1)
+	if err := cli.BatchRead(context.Background(), f.session(), readOps(loc, n, size)); err != nil {
+		t.Fatal(err)
+	}
+	if h := <-paused; h < window+window/2 {
+		t.Fatalf("with %d answers and a half in, the target had read %d headers, want >= %d", window/2, h, window+window/2)
+	}
+}

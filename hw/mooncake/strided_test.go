@@ -88,6 +88,8 @@ func TestBatchReadStridedBadInput(t *testing.T) {
 		{"pitch below row", []Op{op}, Stride{Row: 128, Pitch: 64}, ErrNotAttempted},
 		{"partial row", []Op{op}, Stride{Row: 1000, Pitch: 2000}, ErrNotAttempted},
 		{"rows past the region", []Op{op}, Stride{Row: 512, Pitch: 16 << 10}, ErrNotRegistered},
+		{"extent wraps", []Op{{Local: AddrOf(loc), Remote: AddrOf(rem), Length: 3}}, Stride{Row: 1, Pitch: 1 << 63}, ErrNotAttempted},
+		{"huge extent", []Op{{Local: AddrOf(loc), Remote: AddrOf(rem), Length: 1 << 40}}, Stride{Row: 1 << 10, Pitch: 1<<31 - 1}, ErrNotRegistered},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := cli.BatchReadStrided(context.Background(), srv.SessionID(), tc.ops, tc.s)

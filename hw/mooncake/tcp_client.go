@@ -622,11 +622,12 @@ func (l *lane) run() {
 			l.receive()
 			// The window is refilled only once it has drained to half
 			// (of its requests or of its bytes), so one header write
-			// refills many slots instead of one write per response: the
-			// other half keeps the target busy meanwhile. Responses
-			// already buffered are consumed first in any case.
-			for len(l.win) > 0 && (l.br.Buffered() > 0 || len(l.win) > depth/2 ||
-				(capBytes > 0 && len(l.win) > 2 && l.wbytes > capBytes/2)) {
+			// refills many slots instead of one write per response,
+			// while the other half keeps the target busy. (Not "while
+			// anything is buffered": with answers streaming in, that
+			// would drain the window to empty and idle the target for a
+			// round trip per window.)
+			for len(l.win) > depth/2 || (capBytes > 0 && len(l.win) > 2 && l.wbytes > capBytes/2) {
 				l.receive()
 			}
 			continue

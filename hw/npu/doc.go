@@ -51,9 +51,9 @@
 //     ErrBadVersion, ErrBadChecksum, ErrBadSize or ErrInvalidShape); it is
 //     read, never written.
 //
-// Every backend locks its caches in memory once mapped (mlock; HostOptions.
-// NoLock opts out), as an RDMA registration pins them: no transfer then
-// faults a page in, and reclaim never unmaps one. On this project's test
+// Every backend locks its caches in memory as they are touched (mlock2
+// MLOCK_ONFAULT; HostOptions.NoLock opts out), as an RDMA registration
+// pins them: a page once in stays, and reclaim never unmaps it. On this project's test
 // machine a DAMON pageout scheme unmapped cold cache pages between
 // transfers, and the decode workers spent ~6 % of their CPU re-faulting
 // them; locked, under 1 %. A lock the process's RLIMIT_MEMLOCK refuses is

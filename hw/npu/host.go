@@ -15,11 +15,12 @@ type HostOptions struct {
 	// MADV_HUGEPAGE). They are tried by default and fall back silently.
 	NoHugePages bool
 	// NoLock leaves the caches pageable. By default they are locked in
-	// memory (mlock) once mapped, as registering memory with an RDMA
-	// engine pins it: every page is then present in this process, and
-	// reclaim (or a DAMON pageout scheme) never unmaps one, so no transfer
-	// takes a page fault per 4 KiB. A lock refused by RLIMIT_MEMLOCK (an
-	// unprivileged process) leaves the memory pageable; Locked reports it.
+	// memory as they are first touched (mlock2 MLOCK_ONFAULT), as
+	// registering memory with an RDMA engine pins it: a page once present
+	// stays, and reclaim (or a DAMON pageout scheme) never unmaps it, so
+	// no transfer takes a page fault per 4 KiB again. A lock refused by
+	// RLIMIT_MEMLOCK (an unprivileged process) leaves the memory pageable;
+	// Locked reports it.
 	NoLock bool
 	// StitchWorkers bounds the goroutines of one Stitch; 0 means GOMAXPROCS.
 	StitchWorkers int
@@ -128,6 +129,12 @@ func (h *Host) HugeTLB() bool { return h.hugeTLB }
 // Locked reports whether the caches are locked in memory (HostOptions.
 // NoLock) and, if a lock was asked for and refused, why.
 func (h *Host) Locked() (bool, error) { return h.locked, h.lockErr }
+
+// ValidateStitch checks a Stitch request against the layout without
+// touching memory (Layout.ValidateStitch).
+func (h *Host) ValidateStitch(blockIDs []int, p int) error {
+	return h.layout.ValidateStitch(blockIDs, p)
+}
 
 // Stitch runs the stitch kernel (StitchMemory) on this memory.
 func (h *Host) Stitch(ctx context.Context, blockIDs []int, p int) error {

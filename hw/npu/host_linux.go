@@ -10,6 +10,9 @@ import (
 	"strconv"
 	"syscall"
 	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 )
 
 const hugePage = 2 << 20
@@ -156,9 +159,18 @@ func mapShared(f *os.File, hd header, opts HostOptions) ([]byte, bool, error) {
 
 func munmap(b []byte) error { return syscall.Munmap(b) }
 
-// lockMemory locks b's pages in memory, faulting them in.
+// lockMemory locks b's pages in memory as they are first touched
+// (mlock2 MLOCK_ONFAULT): nothing is faulted in here, so a cache larger
+// than free memory fails as it is used, as unlocked, rather than at
+// start; once touched, a page stays. A refused lock is undone.
 func lockMemory(b []byte) error {
-	if err := syscall.Mlock(b); err != nil {
+	if len(b) == 0 {
+		return nil
+	}
+	_, _, errno := unix.Syscall(unix.SYS_MLOCK2, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)), unix.MLOCK_ONFAULT)
+	if errno != 0 {
+		err := error(errno)
+		unix.Munlock(b)
 		return fmt.Errorf("npu: lock %d bytes of cache memory (RLIMIT_MEMLOCK?): %w", len(b), err)
 	}
 	return nil

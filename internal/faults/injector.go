@@ -135,7 +135,7 @@ func (t stridedTransfer) BatchReadsStrided(ctx context.Context, session string, 
 			return err
 		}
 	case Truncate, ShortRead:
-		return injected(Read, Truncate, fmt.Sprintf("%s: strided, 0 of %d ops run", session, n))
+		return injected(Read, d.Kind, fmt.Sprintf("%s: strided, 0 of %d ops run", session, n))
 	case Duplicate:
 		if err := run(); err != nil {
 			return err

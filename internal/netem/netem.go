@@ -47,7 +47,7 @@ const (
 	// would work.
 	ModeUserspace
 	// ModeQueue joins the namespaces with the veth pair of ModeKernel and
-	// delays the packets leaving each veth in the kernel's netfilter
+	// delays the packets arriving on each veth in the kernel's netfilter
 	// queue (an iptables NFQUEUE rule queues them, this process accepts
 	// each no earlier than its delay): for kernels without sch_netem.
 	// Auto mode uses it before the relay when iptables(8) and
@@ -259,7 +259,7 @@ func Setup(ctx context.Context, o Options) (n *Net, err error) {
 	return n, nil
 }
 
-// queue delays both veth ends' outgoing packets in netfilter queues. On
+// queue delays the packets arriving on both veth ends in netfilter queues. On
 // error it leaves nothing running (the rules die with the namespaces).
 func (n *Net) queue(ctx context.Context) error {
 	if _, err := exec.LookPath("iptables"); err != nil {

@@ -178,9 +178,13 @@ func (q *queueDelayer) request(seq uint32, msg uint16, attrs []nlattr) error {
 		return err
 	}
 	buf := make([]byte, 8192)
-	deadline := time.Now().Add(5 * time.Second)
-	for time.Now().Before(deadline) {
+	q.f.SetReadDeadline(time.Now().Add(5 * time.Second))
+	defer q.f.SetReadDeadline(time.Time{})
+	for {
 		n, err := q.read(buf)
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			return errors.New("no ack within 5s")
+		}
 		if err != nil {
 			return err
 		}
@@ -197,10 +201,9 @@ func (q *queueDelayer) request(seq uint32, msg uint16, attrs []nlattr) error {
 				}
 				return nil
 			}
-			b = b[(l+3)&^3:]
+			b = b[min((l+3)&^3, len(b)):]
 		}
 	}
-	return errors.New("no ack")
 }
 
 func (q *queueDelayer) write(b []byte) error {
@@ -239,7 +242,12 @@ func (q *queueDelayer) receive() {
 	for {
 		n, err := q.read(buf)
 		if err != nil {
+			// The queue is still bound and its rule still queues: close
+			// the socket so the kernel stops holding packets for nobody
+			// (they are dropped and connections fail, instead of the
+			// link going silently dead), and keep the reason for Close.
 			q.fail(err)
+			q.f.Close()
 			return
 		}
 		now := time.Now()

@@ -120,9 +120,11 @@ func (r *relay) serve(client net.Conn) {
 			read(context.Context, net.Conn)
 			write(context.Context, net.Conn) bool
 		} = newDelayLine(r.spec, r.buf)
-		if sl := newSpliceLine(r.spec, r.buf, p[0], p[1]); sl != nil && !copyRelay {
-			line = sl
-			defer sl.close() // after wg.Wait: both of its goroutines returned
+		if !copyRelay {
+			if sl := newSpliceLine(r.spec, r.buf, p[0], p[1]); sl != nil {
+				line = sl
+				defer sl.close() // after wg.Wait: both of its goroutines returned
+			}
 		}
 		go func() { defer wg.Done(); line.read(ctx, p[0]) }()
 		go func() { defer wg.Done(); end(line.write(ctx, p[1])) }()

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"net"
-	"sync"
 	"syscall"
 	"time"
 
@@ -26,9 +25,15 @@ type spliceLine struct {
 	delay *delayLine // timing (release) and the byte bound (sem)
 	ch    chan pchunk
 
-	mu   sync.Mutex
-	free []*pipe // empty pipes to reuse
+	// free holds the empty pipes, at most maxPipes made per line: a line
+	// of small chunks waits for a pipe to come back rather than holding
+	// thousands of descriptors. Made counts the pipes made (reader only).
+	free chan *pipe
+	made int
 }
+
+// maxPipes bounds the pipes of one line (two descriptors each).
+const maxPipes = 64
 
 type pchunk struct {
 	p   *pipe
@@ -77,31 +82,40 @@ func newSpliceLine(spec Spec, buf int, src, dst net.Conn) *spliceLine {
 	}
 	d := newDelayLine(spec, buf)
 	d.want = min(d.want, int64(size))
-	return &spliceLine{delay: d, ch: make(chan pchunk, queueSlots), free: []*pipe{p}}
+	l := &spliceLine{delay: d, ch: make(chan pchunk, queueSlots), free: make(chan *pipe, maxPipes), made: 1}
+	l.free <- p
+	return l
 }
 
-func (l *spliceLine) get() (*pipe, error) {
-	l.mu.Lock()
-	if n := len(l.free); n > 0 {
-		p := l.free[n-1]
-		l.free = l.free[:n-1]
-		l.mu.Unlock()
+// get returns an empty pipe: a free one, else a new one while fewer than
+// maxPipes exist and the system gives one, else the next one the writer
+// frees (an error only if ctx ends first, or no pipe exists at all).
+func (l *spliceLine) get(ctx context.Context) (*pipe, error) {
+	select {
+	case p := <-l.free:
 		return p, nil
+	default:
 	}
-	l.mu.Unlock()
-	p, size, err := newPipe()
-	if err == nil && int64(size) < l.delay.want { // smaller than the first: unusable
-		p.close()
-		return nil, errors.New("netem: splice pipe too small")
+	if l.made < maxPipes {
+		p, size, err := newPipe()
+		switch {
+		case err == nil && int64(size) >= l.delay.want:
+			l.made++
+			return p, nil
+		case err == nil: // smaller than the first: unusable
+			p.close()
+		}
 	}
-	return p, err
+	select {
+	case p := <-l.free:
+		return p, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
 }
 
-func (l *spliceLine) put(p *pipe) {
-	l.mu.Lock()
-	l.free = append(l.free, p)
-	l.mu.Unlock()
-}
+// put returns an empty pipe (never blocks: at most maxPipes exist).
+func (l *spliceLine) put(p *pipe) { l.free <- p }
 
 // close releases every pipe; call it after read and write returned.
 func (l *spliceLine) close() {
@@ -110,12 +124,14 @@ func (l *spliceLine) close() {
 			c.p.close()
 		}
 	}
-	l.mu.Lock()
-	for _, p := range l.free {
-		p.close()
+	for {
+		select {
+		case p := <-l.free:
+			p.close()
+		default:
+			return
+		}
 	}
-	l.free = nil
-	l.mu.Unlock()
 }
 
 func (l *spliceLine) send(ctx context.Context, c pchunk) bool {
@@ -142,7 +158,7 @@ func (l *spliceLine) read(ctx context.Context, src net.Conn) {
 		if err := l.delay.sem.Acquire(ctx, want); err != nil {
 			return
 		}
-		p, err := l.get()
+		p, err := l.get(ctx)
 		var n int64
 		if err == nil {
 			var serr error

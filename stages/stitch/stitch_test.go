@@ -60,3 +60,34 @@ func TestProcess(t *testing.T) {
 		t.Fatalf("got %v, want the kernel's error", err)
 	}
 }
+
+// validatingKernel also validates (hw/npu's Host does).
+type validatingKernel struct {
+	kernel
+	validated [][]int
+	verr      error
+}
+
+func (k *validatingKernel) ValidateStitch(blocks []int, p int) error {
+	k.validated = append(k.validated, slices.Clone(blocks))
+	return k.verr
+}
+
+// A job landed stitched is validated, not stitched, when the kernel can
+// validate; an invalid one fails as it would have unfused.
+func TestProcessFusedValidates(t *testing.T) {
+	j := job.New(plan.Request{ID: "r"}, time.Unix(0, 0))
+	j.Plan = plan.Plan{P: 2, Stitch: true, Tasks: []plan.Task{{P: 2, LocalBlockIDs: []int{5, 6}}, {P: 2, HeadSlot: 1, LocalBlockIDs: []int{5, 6}}}}
+	j.Stitched = true
+	k := &validatingKernel{}
+	if err := (Stage{Kernel: k}).Process(context.Background(), j); err != nil {
+		t.Fatal(err)
+	}
+	if len(k.calls) != 0 || len(k.validated) != 1 || !slices.Equal(k.validated[0], []int{5, 6}) {
+		t.Fatalf("stitched %v, validated %v", k.calls, k.validated)
+	}
+	bad := errors.New("heads do not split")
+	if err := (Stage{Kernel: &validatingKernel{verr: bad}}).Process(context.Background(), j); !errors.Is(err, bad) {
+		t.Fatalf("got %v, want the validation error", err)
+	}
+}
