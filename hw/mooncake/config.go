@@ -43,7 +43,9 @@ type TCPConfig struct {
 
 	ConnectTimeout   time.Duration // dialing a peer's RPC or data port
 	HandshakeTimeout time.Duration // one whole handshake exchange
-	// IOTimeout fails a transfer when no chunk completes for this long.
+	// IOTimeout fails a transfer when no chunk completes for this long
+	// (an initiator's lane notices within IOTimeout/8 more: its deadline
+	// moves at most that often).
 	IOTimeout time.Duration
 
 	// ReadGrants, when on, serves only ranges covered by Grant (and not yet

@@ -575,8 +575,9 @@ type lane struct {
 	conn    net.Conn
 	v2      bool
 	closing bool
-	aborted bool    // interrupt cut conn for a cancelled batch
-	win     []*task // requests sent on conn and not yet finished, oldest first
+	aborted bool      // interrupt cut conn for a cancelled batch
+	win     []*task   // requests sent on conn and not yet finished, oldest first
+	armedAt time.Time // when arm last moved conn's deadline (zero: never, on this conn)
 
 	// Owned by the lane's goroutine.
 	retry  []*task       // requests to send again, before new ones
@@ -838,10 +839,13 @@ func scatterRows(local uint64, s Stride, pos uint64, src []byte) {
 // done ends the oldest outstanding request, which completed.
 func (l *lane) done(t *task) {
 	l.mu.Lock()
-	n := len(l.win)
-	copy(l.win, l.win[1:])
-	l.win[n-1] = nil
-	l.win = l.win[:n-1]
+	// Pop the front in O(1): append reallocates once the slice's end
+	// reaches its capacity, so the dropped front is reclaimed then.
+	l.win[0] = nil
+	l.win = l.win[1:]
+	if len(l.win) == 0 {
+		l.win = l.win[:0:0] // start afresh, not at the array's end
+	}
 	if t.b.opcode == OpcodeRead {
 		l.wbytes -= t.length
 	}
@@ -934,6 +938,12 @@ func (l *lane) interrupt(b *batch) {
 // arm sets the progress deadline for the next chunk, unless the
 // connection was aborted or the engine is closing. Serialised with
 // interrupt and shutdown by l.mu, so an abort cannot be overwritten.
+//
+// Moving a deadline costs two timer updates, and a lane of small answers
+// arms hundreds of thousands of times a second; so the deadline moves
+// only when it was last moved more than armSlack ago, and lies IOTimeout
+// plus armSlack ahead. A silent peer then fails the lane between
+// IOTimeout and IOTimeout + armSlack after the last progress.
 func (l *lane) arm() error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -943,13 +953,22 @@ func (l *lane) arm() error {
 	case l.aborted:
 		return errAborted
 	}
-	return l.conn.SetDeadline(time.Now().Add(l.p.e.cfg.IOTimeout))
+	slack := l.p.e.cfg.IOTimeout / armSlackDiv
+	now := time.Now()
+	if !l.armedAt.IsZero() && now.Sub(l.armedAt) < slack {
+		return nil
+	}
+	l.armedAt = now
+	return l.conn.SetDeadline(now.Add(l.p.e.cfg.IOTimeout + slack))
 }
+
+// armSlackDiv: the deadline is moved at most every IOTimeout/8.
+const armSlackDiv = 8
 
 func (l *lane) dropConn() {
 	l.mu.Lock()
 	c := l.conn
-	l.conn, l.aborted = nil, false
+	l.conn, l.aborted, l.armedAt = nil, false, time.Time{}
 	l.mu.Unlock()
 	if c != nil {
 		c.Close()
@@ -978,7 +997,7 @@ func (l *lane) dial(b *batch) error {
 		c.Close()
 		return ErrClosed
 	}
-	l.conn, l.v2 = c, v2
+	l.conn, l.v2, l.armedAt = c, v2, time.Time{}
 	l.mu.Unlock()
 	if l.br == nil {
 		l.br = bufio.NewReaderSize(c, laneBuf)
