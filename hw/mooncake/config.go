@@ -74,11 +74,16 @@ func DefaultTCPConfig() TCPConfig {
 		// answers into one write; large ones need two. Over a 1 ms link
 		// (bench e2e --netem "delay 1ms", small) a window of 64 requests
 		// × 4 lanes kept reads waiting ~10 round trips behind each other
-		// (~800 req/s); 256 and 4 MiB carried ~950–1250 req/s. The byte
+		// (~800 req/s); 256 and 4 MiB carried ~950–1250 req/s. Once the
+		// delay is the kernel's (a 2 ms round trip TCP sees) and a lane
+		// refills at half its window, 4 KiB answers need 512: 256 kept
+		// ~0.75 MiB per lane in flight, under the link's bandwidth-delay
+		// product (small netem, 6 interleaved runs each: 1082 → 1178
+		// req/s; small on loopback 1.9k–2.1k → 2.0k–2.6k). The byte
 		// cap bounds what a short batch (taken first by the queue) waits
 		// for behind requests already on the wire: ~Lanes × (4 MiB + two
 		// requests); mixed 1-block p99 stayed at 30–40 ms on loopback.
-		Pipeline:      256,
+		Pipeline:      512,
 		PipelineBytes: 4 << 20,
 		// Mooncake's default per-peer queue bound
 		// (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER).

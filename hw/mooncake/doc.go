@@ -79,7 +79,7 @@
 // it and, of several large batches, one finishes early instead of all
 // late; every eighth take serves the oldest batch, so a stream of small
 // batches cannot starve a large one. READs are pipelined: a lane keeps up
-// to Pipeline (256) requests outstanding, or fewer once they add up to
+// to Pipeline (512) requests outstanding, or fewer once they add up to
 // PipelineBytes (4 MiB) beyond the first two, sending the next headers
 // while earlier responses stream (once the window is full it refills it
 // only after half of it, by requests or by bytes, has been answered, and
