@@ -188,16 +188,12 @@ func firstDiff(a, b []byte) int {
 	return min(len(a), len(b))
 }
 
-// TestWindowRefillsAtHalf checks that a lane refills its READ window in
-// batches, once half of it has been answered (by count here; by bytes
-// alike), not one header per response. The target answers all but half of
-// the first window plus one, then pauses: the client must not write any
-// header meanwhile. After one more response it refills the window.
-func TestWindowRefillsAtHalf(t *testing.T) {
-	const window, n, size = 8, 64, 4 << 10
-	var got atomic.Int64          // headers the target has read
-	paused := make(chan int64, 1) // headers seen during the pause
-	f := newRawPeer(t, func(c net.Conn) {
+// newHeaderPeer is a raw peer whose data connection reads headers as they
+// arrive, on a goroutine of its own, counting them in got (at most n
+// queued) and handing them to serve, which answers them on c.
+func newHeaderPeer(t *testing.T, n int, got *atomic.Int64, serve func(c net.Conn, hdrs <-chan Header)) *fakePeer {
+	t.Helper()
+	return newRawPeer(t, func(c net.Conn) {
 		hdrs := make(chan Header, n)
 		var wg sync.WaitGroup
 		wg.Go(func() {
@@ -212,6 +208,22 @@ func TestWindowRefillsAtHalf(t *testing.T) {
 				hdrs <- h
 			}
 		})
+		serve(c, hdrs)
+		c.Close()
+		wg.Wait()
+	})
+}
+
+// TestWindowRefillsAtHalf checks that a lane refills its READ window in
+// batches, once half of it has been answered (by count here; by bytes
+// alike), not one header per response. The target answers all but half of
+// the first window plus one, then pauses: the client must not write any
+// header meanwhile. After one more response it refills the window.
+func TestWindowRefillsAtHalf(t *testing.T) {
+	const window, n, size = 8, 64, 4 << 10
+	var got atomic.Int64          // headers the target has read
+	paused := make(chan int64, 1) // headers seen during the pause
+	f := newHeaderPeer(t, n, &got, func(c net.Conn, hdrs <-chan Header) {
 		k := 0
 		for h := range hdrs {
 			if k == window/2-1 {
@@ -224,8 +236,6 @@ func TestWindowRefillsAtHalf(t *testing.T) {
 			}
 			k++
 		}
-		c.Close()
-		wg.Wait()
 	})
 	cfg := testConfig()
 	cfg.Lanes, cfg.Pipeline, cfg.PipelineBytes = 1, window, 0
@@ -254,21 +264,7 @@ func TestWindowRefillsWhileStreaming(t *testing.T) {
 	const window, n, size = 4, 16, 64 << 10
 	var got atomic.Int64
 	paused := make(chan int64, 1)
-	f := newRawPeer(t, func(c net.Conn) {
-		hdrs := make(chan Header, n)
-		var wg sync.WaitGroup
-		wg.Go(func() {
-			defer close(hdrs)
-			var hb [HeaderSize]byte
-			for {
-				if _, err := io.ReadFull(c, hb[:]); err != nil {
-					return
-				}
-				h, _ := ParseHeader(&hb)
-				got.Add(1)
-				hdrs <- h
-			}
-		})
+	f := newHeaderPeer(t, n, &got, func(c net.Conn, hdrs <-chan Header) {
 		k := 0
 		for h := range hdrs {
 			if k == window/2 {
@@ -286,8 +282,6 @@ func TestWindowRefillsWhileStreaming(t *testing.T) {
 			}
 			k++
 		}
-		c.Close()
-		wg.Wait()
 	})
 	cfg := testConfig()
 	cfg.Lanes, cfg.Pipeline, cfg.PipelineBytes = 1, window, 0

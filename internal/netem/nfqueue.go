@@ -58,7 +58,7 @@ const (
 type queueDelayer struct {
 	f        *os.File // the netlink socket, non-blocking, in the namespace
 	rc       syscall.RawConn
-	line     *delayLine // release times
+	sched    schedule // release times
 	ch       chan held
 	wg       sync.WaitGroup
 	mu       sync.Mutex
@@ -101,7 +101,7 @@ func startQueueDelayer(ns string, spec Spec) (*queueDelayer, error) {
 		f.Close()
 		return nil, err
 	}
-	q := &queueDelayer{f: f, rc: rc, line: newDelayLine(spec, 1), ch: make(chan held, queueMaxLen)}
+	q := &queueDelayer{f: f, rc: rc, sched: schedule{spec: spec}, ch: make(chan held, queueMaxLen)}
 	// Bind the queue, then its parameters, each acknowledged.
 	cmd := []byte{nfqnlCfgCmdBind, 0, 0, 0} // command, pad, pf (unused by bind)
 	params := make([]byte, 5)               // copy_range (be32), copy_mode
@@ -260,7 +260,7 @@ func (q *queueDelayer) receive() {
 			typ := binary.NativeEndian.Uint16(b[4:])
 			if typ == nfnlSubsysQueue<<8|nfqnlMsgPacket && l >= unix.NLMSG_HDRLEN+4 {
 				if id, ok := packetID(b[unix.NLMSG_HDRLEN+4 : l]); ok {
-					q.ch <- held{id: id, at: q.line.release(now)}
+					q.ch <- held{id: id, at: q.sched.release(now)}
 				}
 			}
 			b = b[min((l+3)&^3, len(b)):]

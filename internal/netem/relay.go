@@ -144,10 +144,16 @@ type chunk struct {
 // (plus jitter) after they were read, in order, with at most buf bytes
 // in flight.
 type delayLine struct {
-	spec Spec
+	schedule
 	sem  *semaphore.Weighted
 	want int64
 	ch   chan chunk
+}
+
+// schedule gives each chunk (or packet) its release time: delay plus
+// jitter after it was taken, never before the one taken before it.
+type schedule struct {
+	spec Spec
 	last time.Time
 }
 
@@ -156,10 +162,10 @@ func newDelayLine(spec Spec, buf int) *delayLine {
 	if int64(buf) < want {
 		want = int64(buf)
 	}
-	return &delayLine{spec: spec, sem: semaphore.NewWeighted(int64(buf)), want: want, ch: make(chan chunk, queueSlots)}
+	return &delayLine{schedule: schedule{spec: spec}, sem: semaphore.NewWeighted(int64(buf)), want: want, ch: make(chan chunk, queueSlots)}
 }
 
-func (l *delayLine) release(now time.Time) time.Time {
+func (l *schedule) release(now time.Time) time.Time {
 	d := l.spec.Delay
 	if j := l.spec.Jitter; j > 0 {
 		d += time.Duration(rand.Int64N(int64(2*j)+1)) - j
@@ -224,6 +230,31 @@ func (l *delayLine) send(ctx context.Context, c chunk) bool {
 	}
 }
 
+// awaitDue takes the next item from ch and waits until its time (at).
+// It reports false when ch is closed or ctx ends first; an item taken
+// before ctx ended is returned with false, for the caller to release.
+func awaitDue[C any](ctx context.Context, ch <-chan C, at func(C) time.Time, timer *time.Timer) (C, bool) {
+	var c C
+	select {
+	case v, ok := <-ch:
+		if !ok {
+			return c, false
+		}
+		c = v
+	case <-ctx.Done():
+		return c, false
+	}
+	if wait := time.Until(at(c)); wait > 0 {
+		timer.Reset(wait)
+		select {
+		case <-timer.C:
+		case <-ctx.Done():
+			return c, false
+		}
+	}
+	return c, true
+}
+
 // write delivers chunks to dst at their time. It reports false when the
 // pair must end (an error either side or a stop), true after a clean
 // half-close.
@@ -232,23 +263,12 @@ func (l *delayLine) write(ctx context.Context, dst net.Conn) bool {
 	timer.Stop()
 	defer timer.Stop()
 	for {
-		var c chunk
-		var ok bool
-		select {
-		case c, ok = <-l.ch:
-			if !ok {
-				return false
+		c, ok := awaitDue(ctx, l.ch, func(c chunk) time.Time { return c.at }, timer)
+		if !ok {
+			if c.big != nil {
+				bufPool.Put(c.big)
 			}
-		case <-ctx.Done():
 			return false
-		}
-		if wait := time.Until(c.at); wait > 0 {
-			timer.Reset(wait)
-			select {
-			case <-timer.C:
-			case <-ctx.Done():
-				return false
-			}
 		}
 		switch {
 		case c.eof:

@@ -199,26 +199,12 @@ func (l *spliceLine) write(ctx context.Context, dst net.Conn) bool {
 	timer.Stop()
 	defer timer.Stop()
 	for {
-		var c pchunk
-		var ok bool
-		select {
-		case c, ok = <-l.ch:
-			if !ok {
-				return false
+		c, ok := awaitDue(ctx, l.ch, func(c pchunk) time.Time { return c.at }, timer)
+		if !ok {
+			if c.p != nil {
+				c.p.close()
 			}
-		case <-ctx.Done():
 			return false
-		}
-		if wait := time.Until(c.at); wait > 0 {
-			timer.Reset(wait)
-			select {
-			case <-timer.C:
-			case <-ctx.Done():
-				if c.p != nil {
-					c.p.close()
-				}
-				return false
-			}
 		}
 		switch {
 		case c.eof:
