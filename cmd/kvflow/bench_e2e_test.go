@@ -60,7 +60,7 @@ func TestBenchE2EProcesses(t *testing.T) {
 		t.Skip("-short")
 	}
 	code, out, errOut := runCmd("bench", "e2e", "--workload", "small", "--requests", "8", "--blocks", "3", "--layers", "2",
-		"--prefill-tp", "2", "--decode-tp", "1", "--verify", "-1", "--raw-mib", "1", "--json")
+		"--prefill-tp", "2", "--decode-tp", "1", "--verify", "-1", "--raw-mib", "1", "--rounds", "2", "--json")
 	if code != exitOK {
 		t.Fatalf("exit %d\n%s\n%s", code, out, errOut)
 	}
@@ -68,10 +68,19 @@ func TestBenchE2EProcesses(t *testing.T) {
 	if err := json.Unmarshal([]byte(out), &res); err != nil {
 		t.Fatalf("%v\n%s", err, out)
 	}
-	if len(res.Reports) != 1 || len(res.Reports[0].Runs) != 2 {
+	if len(res.Reports) != 1 || len(res.Reports[0].Runs) != 4 {
 		t.Fatalf("reports: %+v", res.Reports)
 	}
 	rep := res.Reports[0]
+	// Two rounds of both modes, a raw stream around each round.
+	if rep.Rounds != 2 || len(rep.RawSamples) != 3 || rep.OfRaw <= 0 || len(rep.Ratios) == 0 {
+		t.Errorf("rounds %d, raw samples %v, of raw %v, ratios %v", rep.Rounds, rep.RawSamples, rep.OfRaw, rep.Ratios)
+	}
+	for i, r := range rep.Runs {
+		if want := []string{"kvflow", "serial"}[i%2]; r.Mode != want || r.Round != i/2 {
+			t.Errorf("run %d: %s round %d, want %s round %d", i, r.Mode, r.Round, want, i/2)
+		}
+	}
 	if !strings.Contains(rep.Workers, "processes") {
 		t.Errorf("workers: %q", rep.Workers)
 	}
@@ -136,7 +145,7 @@ func TestBenchE2ENetem(t *testing.T) {
 	for _, mode := range []string{"auto", "relay"} {
 		t.Run(mode, func(t *testing.T) {
 			code, out, errOut := runCmd("bench", "e2e", "--netem", "delay 1ms", "--netem-mode", mode, "--workload", "small", "--requests", "8", "--blocks", "2",
-				"--layers", "2", "--verify", "-1", "--raw-mib", "1", "--json")
+				"--layers", "2", "--verify", "-1", "--raw-mib", "1", "--rounds", "1", "--json")
 			if code != exitOK {
 				t.Fatalf("exit %d\n%s\n%s", code, out, errOut)
 			}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"math"
 	"net"
 	"os"
 	"path/filepath"
@@ -32,6 +33,7 @@ func TestBadInputIsUsageErrorBeforeStarting(t *testing.T) {
 		{"positional", []string{"extra"}, "unexpected arguments"},
 		{"zero concurrency small", []string{"--workload", "small", "--requests", "0"}, "--requests 0"},
 		{"zero short", []string{"--workload", "mixed", "--short", "0"}, "--short 0"},
+		{"zero rounds", []string{"--rounds", "0"}, "--rounds 0"},
 		{"zero interval", []string{"--workload", "mixed", "--interval", "0s"}, "--interval"},
 		{"too big mixed", []string{"--workload", "mixed", "--max-mem-gib", "0.01", "--layers", "4"}, "do not fit"},
 		{"netem in-process", []string{"--in-process", "--netem", "delay 1ms"}, "--netem"},
@@ -108,7 +110,7 @@ func TestTinyRun(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	err := Run(ctx, []string{"--in-process", "--workload", "small", "--requests", "6", "--blocks", "3", "--layers", "2",
-		"--prefill-tp", "2", "--decode-tp", "1", "--verify", "-1", "--raw-mib", "1", "--json"}, &out, &errb)
+		"--prefill-tp", "2", "--decode-tp", "1", "--verify", "-1", "--raw-mib", "1", "--rounds", "1", "--json"}, &out, &errb)
 	if err != nil {
 		t.Fatalf("%v\nstderr: %s", err, errb.String())
 	}
@@ -165,5 +167,44 @@ func TestMedian(t *testing.T) {
 				t.Errorf("median reordered its input: %v", c.in)
 			}
 		}
+	}
+}
+
+// Ratios are formed within each round (kvflow against the same round's
+// serial run and raw ceiling) and the report keeps their median, so one
+// slow phase of the machine moves one round, not the figure.
+func TestRoundRatios(t *testing.T) {
+	run := func(mode string, round int, gbps float64, short time.Duration) RunReport {
+		l := Latency{P50: short, P99: 2 * short}
+		return RunReport{Mode: mode, Round: round, GBps: gbps, ReqPerSec: gbps * 10, Wall: time.Duration(float64(time.Second) / gbps),
+			All: l, Short: &l, Long: &l}
+	}
+	rep := &Report{Rounds: 3, RawSamples: []float64{4, 2, 4, 4},
+		Runs: []RunReport{
+			run(ModePipeline, 0, 3, 10*time.Millisecond), run(ModeSerial, 0, 1, 100*time.Millisecond),
+			// a slow phase: everything at half speed, the ceiling too
+			run(ModePipeline, 1, 1.5, 20*time.Millisecond), run(ModeSerial, 1, 1, 100*time.Millisecond),
+			run(ModePipeline, 2, 4, 10*time.Millisecond), run(ModeSerial, 2, 2, 50*time.Millisecond),
+		}}
+	rep.ratios()
+	// ceilings 3, 3, 4: of raw 1, 0.5, 1 -> median 1
+	if rep.OfRaw != 1 {
+		t.Errorf("of raw = %v, want 1", rep.OfRaw)
+	}
+	// kvflow/serial GB/s 3, 1.5, 2 -> 2; 1-block p99 0.1, 0.2, 0.2 -> 0.2
+	for k, want := range map[string]float64{"gb_per_s": 2, "requests_per_s": 2, "short_latency_p99": 0.2, "latency_p50": 0.2, "long_latency_p50": 0.2} {
+		if got := rep.Ratios[k]; math.Abs(got-want) > 1e-9 {
+			t.Errorf("%s = %v, want %v", k, got, want)
+		}
+	}
+	// Typical: the median run by wall time.
+	if r := rep.Typical(ModePipeline); r == nil || r.GBps != 3 {
+		t.Errorf("typical kvflow run: %+v", r)
+	}
+	if r := rep.Typical(ModeSerial); r == nil || r.Round == 2 {
+		t.Errorf("typical serial run: %+v", r)
+	}
+	if r := rep.Typical("other"); r != nil {
+		t.Errorf("typical of a mode without runs: %+v", r)
 	}
 }

@@ -51,6 +51,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	interval := fs.Duration("interval", 0, "mixed: arrival interval of the 1-block requests; 0 = the preset's (4ms)")
 	nverify := fs.Int("verify", 32, "requests per run verified byte by byte (evenly spread); -1 = all")
 	mode := fs.String("mode", "both", "both (= kvflow,serial), or the runs in order, e.g. serial,kvflow,serial,kvflow")
+	rounds := fs.Int("rounds", 3, "rounds of the modes per workload, each after a raw TCP stream; ratios are the median of the rounds'")
 	rawMiB := fs.Int("raw-mib", 1024, "MiB streamed for the raw TCP ceiling (0 skips it)")
 	timeout := fs.Duration("timeout", 5*time.Minute, "bound on one run")
 	asJSON := fs.Bool("json", false, "print JSON instead of tables")
@@ -106,6 +107,9 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	if *plotPath != "" && !strings.HasSuffix(strings.ToLower(*plotPath), ".svg") {
 		errs = append(errs, fmt.Errorf("--plot %q: want a .svg file", *plotPath))
+	}
+	if *rounds < 1 {
+		errs = append(errs, fmt.Errorf("--rounds %d: want >= 1", *rounds))
 	}
 	if *rawMiB < 0 {
 		errs = append(errs, fmt.Errorf("--raw-mib %d: want >= 0", *rawMiB))
@@ -226,7 +230,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		rep, err := Bench(ctx, Options{Workload: w, MaxMem: int64(*maxMem * (1 << 30)), Verify: *nverify, Modes: modes,
+		rep, err := Bench(ctx, Options{Workload: w, MaxMem: int64(*maxMem * (1 << 30)), Verify: *nverify, Modes: modes, Rounds: *rounds,
 			RawBytes: int64(*rawMiB) << 20, Timeout: *timeout, Logger: log, Process: proc})
 		if err != nil {
 			return err

@@ -21,6 +21,14 @@
 // arrival to its last decode rank's done. A sample of requests (or all) is
 // checked byte by byte after each run.
 //
+// Rounds (--rounds, default 3): the modes run once per round, each round
+// after a 1-connection raw TCP stream, and one more stream closes the last
+// round. Every ratio (kvflow/serial, kvflow/raw against the mean of the
+// streams around the round) is formed within its round and the report
+// keeps the median of the rounds': on a shared two-core machine absolute
+// figures drift by a third from minute to minute, and a ratio of figures
+// taken minutes apart with them. Tables show each mode's median run.
+//
 // Memory: decode needs one distinct block per block of the run; prefill
 // blocks are read only, so requests share a pool of at least 64 blocks.
 // When the caches of the model's 32 layers would exceed --max-mem-gib,

@@ -104,19 +104,12 @@ func each(res *Result, f func(*Report) float64) plotter.Values {
 	return out
 }
 
-// runOf is mode's fastest run in rep (a zero run if it has none).
+// runOf is mode's typical run in rep (a zero run if it has none).
 func runOf(rep *Report, mode string) RunReport {
-	var best *RunReport
-	for i := range rep.Runs {
-		r := &rep.Runs[i]
-		if r.Mode == mode && (best == nil || r.Wall < best.Wall) {
-			best = r
-		}
+	if r := rep.Typical(mode); r != nil {
+		return *r
 	}
-	if best == nil {
-		return RunReport{Mode: mode}
-	}
-	return *best
+	return RunReport{Mode: mode}
 }
 
 // groupedBars is one bar per series side by side at each label.

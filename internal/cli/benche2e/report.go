@@ -36,12 +36,12 @@ func (rep *Report) WriteText(w io.Writer) {
 		fmt.Fprintf(w, "   workers: %s\n", rep.Workers)
 	}
 	if rep.RawTCP1 > 0 {
-		fmt.Fprintf(w, "   raw TCP loopback ceiling (same run): 1 conn %.2f GB/s (median of %s), 4 conns %.2f GB/s\n", rep.RawTCP1, gbList(rep.RawSamples), rep.RawTCP4)
+		fmt.Fprintf(w, "   raw TCP loopback ceiling (same run): 1 conn %.2f GB/s (median of %s: one stream before each round, one after the last), 4 conns %.2f GB/s\n", rep.RawTCP1, gbList(rep.RawSamples), rep.RawTCP4)
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "mode\treq\tfailed\tGiB\twall\tGB/s\treq/s\tp50\tp99\tmax\tverified\tbad bytes\t")
 	for _, r := range rep.Runs {
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%.2f\t%s\t%.2f\t%.0f\t%s\t%s\t%s\t%d\t%d\t\n", r.Mode, r.Requests, r.Failed, float64(r.Bytes)/(1<<30),
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%.2f\t%s\t%.2f\t%.0f\t%s\t%s\t%s\t%d\t%d\t\n", rep.runName(r), r.Requests, r.Failed, float64(r.Bytes)/(1<<30),
 			ms(r.Wall), r.GBps, r.ReqPerSec, ms(r.All.P50), ms(r.All.P99), ms(r.All.Max), r.Verified, r.BadBytes)
 		for _, c := range []struct {
 			name string
@@ -54,15 +54,15 @@ func (rep *Report) WriteText(w io.Writer) {
 	}
 	tw.Flush()
 	if len(rep.Ratios) > 0 {
-		fmt.Fprintf(w, "   kvflow/serial: GB/s %.2f×, req/s %.2f×, p50 latency %.2f×, p99 latency %.2f×",
-			rep.Ratios["gb_per_s"], rep.Ratios["requests_per_s"], rep.Ratios["latency_p50"], rep.Ratios["latency_p99"])
+		fmt.Fprintf(w, "   kvflow/serial%s: GB/s %.2f×, req/s %.2f×, p50 latency %.2f×, p99 latency %.2f×",
+			rep.medianOf(), rep.Ratios["gb_per_s"], rep.Ratios["requests_per_s"], rep.Ratios["latency_p50"], rep.Ratios["latency_p99"])
 		if v, ok := rep.Ratios["short_latency_p50"]; ok {
 			fmt.Fprintf(w, "; 1-block p50 %.3f×, p99 %.3f×", v, rep.Ratios["short_latency_p99"])
 		}
 		fmt.Fprintln(w)
 	}
 	if rep.OfRaw > 0 {
-		fmt.Fprintf(w, "   kvflow / raw TCP (1 conn): %.2f×\n", rep.OfRaw)
+		fmt.Fprintf(w, "   kvflow / raw TCP (1 conn)%s: %.2f×\n", rep.medianOf(), rep.OfRaw)
 	}
 	for _, r := range rep.Runs {
 		if len(r.Stages) == 0 {
@@ -72,11 +72,11 @@ func (rep *Report) WriteText(w io.Writer) {
 		for _, s := range r.Stages {
 			parts = append(parts, fmt.Sprintf("%s %s/%s", s.Stage, ms(time.Duration(s.P50*1e9)), ms(time.Duration(s.P99*1e9))))
 		}
-		fmt.Fprintf(w, "   %s stage p50/p99: %s\n", r.Mode, strings.Join(parts, ", "))
+		fmt.Fprintf(w, "   %s stage p50/p99: %s\n", rep.runName(r), strings.Join(parts, ", "))
 	}
 	for _, r := range rep.Runs {
 		if r.FirstErr != "" {
-			fmt.Fprintf(w, "   %s first error: %s\n", r.Mode, r.FirstErr)
+			fmt.Fprintf(w, "   %s first error: %s\n", rep.runName(r), r.FirstErr)
 		}
 	}
 }
@@ -88,4 +88,20 @@ func gbList(v []float64) string {
 		parts[i] = fmt.Sprintf("%.2f", x)
 	}
 	return strings.Join(parts, ", ")
+}
+
+// runName is r's mode, with its round when there are several.
+func (rep *Report) runName(r RunReport) string {
+	if rep.Rounds > 1 {
+		return fmt.Sprintf("%s r%d", r.Mode, r.Round+1)
+	}
+	return r.Mode
+}
+
+// medianOf says which rounds a ratio summarises.
+func (rep *Report) medianOf() string {
+	if rep.Rounds > 1 {
+		return fmt.Sprintf(" (median of %d rounds)", rep.Rounds)
+	}
+	return ""
 }

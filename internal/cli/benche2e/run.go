@@ -1,6 +1,7 @@
 package benche2e
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
@@ -32,6 +33,11 @@ type Options struct {
 	Verify int
 	// Modes to run, in order; empty = kvflow then serial.
 	Modes []string
+	// Rounds repeats Modes (< 1 = once), each round after a raw TCP
+	// stream (RawBytes > 0): figures taken minutes apart on a shared
+	// machine differ by a third, so every ratio is formed within a round
+	// and the report keeps the median of the rounds'.
+	Rounds int
 	// RawBytes is the payload of the raw TCP ceiling (0 skips it).
 	RawBytes int64
 	// Timeout bounds one run.
@@ -64,6 +70,7 @@ type StageLatency struct {
 // RunReport is one mode's figures.
 type RunReport struct {
 	Mode      string         `json:"mode"`
+	Round     int            `json:"round"` // from 0
 	Requests  int            `json:"requests"`
 	Failed    int            `json:"failed"`
 	Bytes     uint64         `json:"bytes"`
@@ -86,17 +93,24 @@ type Report struct {
 	Workers    string `json:"workers"`
 	CacheBytes int64  `json:"cache_bytes"`
 	BlockBytes int64  `json:"block_bytes"`
-	// RawTCP1 is the median of RawSamples, three 1-connection streams:
-	// on a shared machine one stream's figure swings by a third from
-	// minute to minute, and the ratios against it with it.
-	RawTCP1    float64     `json:"raw_tcp_1conn_gb_per_s"`
-	RawSamples []float64   `json:"raw_tcp_1conn_samples_gb_per_s,omitempty"`
-	RawTCP4    float64     `json:"raw_tcp_4conn_gb_per_s"`
-	Runs       []RunReport `json:"runs"`
-	// Ratios are kvflow / serial, of each mode's fastest run (latency
-	// ratios below 1 are better).
+	// RawSamples are 1-connection raw TCP streams, one before each round
+	// and one after the last: round r's ceiling is the mean of samples r
+	// and r+1, the streams just around it. On a shared machine one
+	// stream's figure swings by a third from minute to minute, and a
+	// ratio against a ceiling measured minutes away with it.
+	RawSamples []float64 `json:"raw_tcp_1conn_samples_gb_per_s,omitempty"`
+	// RawTCP1 is the median of RawSamples (for display).
+	RawTCP1 float64     `json:"raw_tcp_1conn_gb_per_s"`
+	RawTCP4 float64     `json:"raw_tcp_4conn_gb_per_s"`
+	Rounds  int         `json:"rounds"`
+	Runs    []RunReport `json:"runs"`
+	// Ratios are kvflow / serial, the median over the rounds of each
+	// round's ratio (of its fastest run of each mode); latency ratios
+	// below 1 are better.
 	Ratios map[string]float64 `json:"ratios_kvflow_over_serial,omitempty"`
-	// OfRaw is kvflow GB/s / the 1-connection raw TCP ceiling.
+	// OfRaw is kvflow GB/s / the 1-connection raw TCP ceiling, the
+	// median over the rounds of each kvflow run against its round's
+	// ceiling.
 	OfRaw float64 `json:"kvflow_over_raw_tcp,omitempty"`
 }
 
@@ -121,19 +135,23 @@ func Bench(ctx context.Context, o Options) (*Report, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	rep := &Report{Workload: w, CacheBytes: total, BlockBytes: w.BlockBytes()}
+	rounds := max(o.Rounds, 1)
+	rep := &Report{Workload: w, CacheBytes: total, BlockBytes: w.BlockBytes(), Rounds: rounds}
 	if o.RawBytes > 0 {
-		for range rawSamples {
-			v, err := RawTCP(o.RawBytes, 1)
-			if err != nil {
-				return nil, err
-			}
-			rep.RawSamples = append(rep.RawSamples, v)
-		}
-		rep.RawTCP1 = median(rep.RawSamples)
 		if rep.RawTCP4, err = RawTCP(o.RawBytes, 4); err != nil {
 			return nil, err
 		}
+	}
+	rawSample := func() error {
+		if o.RawBytes <= 0 {
+			return nil
+		}
+		v, err := RawTCP(o.RawBytes, 1)
+		if err != nil {
+			return err
+		}
+		rep.RawSamples = append(rep.RawSamples, v)
+		return nil
 	}
 	var c *cluster
 	if o.Process != nil {
@@ -167,19 +185,33 @@ func Bench(ctx context.Context, o Options) (*Report, error) {
 	} else if r.Failed > 0 {
 		return nil, fmt.Errorf("bench e2e: warm-up: %d of %d requests failed; first: %s", r.Failed, r.Requests, r.FirstErr)
 	}
-	for k, m := range o.Modes {
-		r, err := c.run(ctx, fmt.Sprintf("%s%d", m, k), m, reqs, o.Verify, o.Timeout)
-		if err != nil {
-			return nil, fmt.Errorf("bench e2e: %s %s: %w", w.Name, m, err)
+	// Rounds: a raw stream, then each mode; a last raw stream closes the
+	// final round. The workers stay up and idle while the raw streams
+	// run, as they are around every run.
+	k := 0
+	for round := range rounds {
+		if err := rawSample(); err != nil {
+			return nil, err
 		}
-		rep.Runs = append(rep.Runs, *r)
+		for _, m := range o.Modes {
+			r, err := c.run(ctx, fmt.Sprintf("%s%d", m, k), m, reqs, o.Verify, o.Timeout)
+			if err != nil {
+				return nil, fmt.Errorf("bench e2e: %s %s round %d: %w", w.Name, m, round+1, err)
+			}
+			k++
+			r.Round = round
+			rep.Runs = append(rep.Runs, *r)
+		}
+	}
+	if err := rawSample(); err != nil {
+		return nil, err
+	}
+	if len(rep.RawSamples) > 0 {
+		rep.RawTCP1 = median(rep.RawSamples)
 	}
 	rep.ratios()
 	return rep, nil
 }
-
-// rawSamples is how many 1-connection raw TCP streams a report measures.
-const rawSamples = 3
 
 // median of v (not empty).
 func median(v []float64) float64 {
@@ -192,39 +224,91 @@ func median(v []float64) float64 {
 	return (w[n/2-1] + w[n/2]) / 2
 }
 
-func (rep *Report) ratios() {
-	var kv, se *RunReport
-	// With repeated runs, each mode's fastest one.
+// Typical is mode's median run by wall time (of two, the faster), or
+// nil: the run the tables show for that mode.
+func (rep *Report) Typical(mode string) *RunReport {
+	var rs []*RunReport
 	for i := range rep.Runs {
-		r := &rep.Runs[i]
-		switch {
-		case r.Mode == ModePipeline && (kv == nil || r.Wall < kv.Wall):
-			kv = r
-		case r.Mode == ModeSerial && (se == nil || r.Wall < se.Wall):
-			se = r
+		if rep.Runs[i].Mode == mode {
+			rs = append(rs, &rep.Runs[i])
 		}
 	}
-	if kv != nil && rep.RawTCP1 > 0 {
-		rep.OfRaw = kv.GBps / rep.RawTCP1
+	if len(rs) == 0 {
+		return nil
 	}
-	if kv == nil || se == nil {
-		return
+	slices.SortStableFunc(rs, func(a, b *RunReport) int { return cmp.Compare(a.Wall, b.Wall) })
+	return rs[(len(rs)-1)/2]
+}
+
+// ceiling is round r's raw TCP ceiling (0 without one).
+func (rep *Report) ceiling(r int) float64 {
+	switch n := len(rep.RawSamples); {
+	case r+1 < n:
+		return (rep.RawSamples[r] + rep.RawSamples[r+1]) / 2
+	case r < n:
+		return rep.RawSamples[r]
 	}
+	return 0
+}
+
+func (rep *Report) ratios() {
 	div := func(a, b float64) float64 {
 		if b == 0 {
 			return math.NaN()
 		}
 		return a / b
 	}
-	rep.Ratios = map[string]float64{
-		"gb_per_s":       div(kv.GBps, se.GBps),
-		"requests_per_s": div(kv.ReqPerSec, se.ReqPerSec),
-		"latency_p50":    div(float64(kv.All.P50), float64(se.All.P50)),
-		"latency_p99":    div(float64(kv.All.P99), float64(se.All.P99)),
+	lat := func(a, b *Latency, p99 bool) float64 {
+		if p99 {
+			return div(float64(a.P99), float64(b.P99))
+		}
+		return div(float64(a.P50), float64(b.P50))
 	}
-	if kv.Short != nil && se.Short != nil {
-		rep.Ratios["short_latency_p50"] = div(float64(kv.Short.P50), float64(se.Short.P50))
-		rep.Ratios["short_latency_p99"] = div(float64(kv.Short.P99), float64(se.Short.P99))
+	var ofRaw []float64
+	per := map[string][]float64{}
+	for round := range rep.Rounds {
+		// With several runs of a mode in one round, its fastest.
+		var kv, se *RunReport
+		for i := range rep.Runs {
+			r := &rep.Runs[i]
+			if r.Round != round {
+				continue
+			}
+			switch {
+			case r.Mode == ModePipeline:
+				if c := rep.ceiling(round); c > 0 {
+					ofRaw = append(ofRaw, r.GBps/c)
+				}
+				if kv == nil || r.Wall < kv.Wall {
+					kv = r
+				}
+			case r.Mode == ModeSerial && (se == nil || r.Wall < se.Wall):
+				se = r
+			}
+		}
+		if kv == nil || se == nil {
+			continue
+		}
+		add := func(k string, v float64) { per[k] = append(per[k], v) }
+		add("gb_per_s", div(kv.GBps, se.GBps))
+		add("requests_per_s", div(kv.ReqPerSec, se.ReqPerSec))
+		add("latency_p50", lat(&kv.All, &se.All, false))
+		add("latency_p99", lat(&kv.All, &se.All, true))
+		if kv.Short != nil && se.Short != nil {
+			add("short_latency_p50", lat(kv.Short, se.Short, false))
+			add("short_latency_p99", lat(kv.Short, se.Short, true))
+			add("long_latency_p50", lat(kv.Long, se.Long, false))
+			add("long_latency_p99", lat(kv.Long, se.Long, true))
+		}
+	}
+	if len(ofRaw) > 0 {
+		rep.OfRaw = median(ofRaw)
+	}
+	if len(per) > 0 {
+		rep.Ratios = make(map[string]float64, len(per))
+		for k, v := range per {
+			rep.Ratios[k] = median(v)
+		}
 	}
 }
 

@@ -195,16 +195,13 @@ func div(a, b float64) float64 {
 	return a / b
 }
 
-// best is mode's fastest run in rep (as the report's ratios use).
-func best(rep *benche2e.Report, mode string) *benche2e.RunReport {
-	var b *benche2e.RunReport
-	for i := range rep.Runs {
-		r := &rep.Runs[i]
-		if r.Mode == mode && (b == nil || r.Wall < b.Wall) {
-			b = r
-		}
+// ratioOf is rep's ratio key, "–" when it has none.
+func ratioOf(rep *benche2e.Report, key string) string {
+	v, ok := rep.Ratios[key]
+	if !ok {
+		return "–"
 	}
-	return b
+	return ratio(v)
 }
 
 func wname(w benche2e.Workload) string {
@@ -218,34 +215,41 @@ func renderE2E(p printf, res *benche2e.Result) {
 	if len(res.Reports) > 0 {
 		p("Workers: %s.\n\n", res.Reports[0].Workers)
 	}
-	p("Raw TCP 1 conn: the median of three 1-connection loopback streams measured just before the workload's runs\n(each workload's three in the JSON).\n\n")
+	rounds := 1
+	if len(res.Reports) > 0 {
+		rounds = max(res.Reports[0].Rounds, 1)
+	}
+	p("Each workload runs %d rounds on the same workers: a 1-connection raw TCP loopback stream, the kvflow run, the\n", rounds)
+	p("serial run; one more raw stream closes the last round. A round's ceiling is the mean of the two streams around it.\n")
+	p("Every ratio is formed within a round and the tables give the **median of the rounds' ratios**; the absolute\n")
+	p("figures are each mode's median run, the raw column the median stream (every run and stream in the JSON).\n\n")
 	p("| workload | layers | kvflow GB/s | serial GB/s | kvflow/serial | raw TCP 1 conn GB/s | kvflow/raw | kvflow req/s | serial req/s | kvflow/serial |\n")
 	p("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
 	for _, rep := range res.Reports {
-		kv, se := best(rep, benche2e.ModePipeline), best(rep, benche2e.ModeSerial)
+		kv, se := rep.Typical(benche2e.ModePipeline), rep.Typical(benche2e.ModeSerial)
 		if kv == nil || se == nil {
 			continue
 		}
 		p("| %s | %d of %d | %s | %s | %s | %s | %s | %.0f | %.0f | %s |\n", wname(rep.Workload), rep.Workload.Layers, rep.Workload.ModelLayers,
-			f2(kv.GBps), f2(se.GBps), ratio(div(kv.GBps, se.GBps)), f2(rep.RawTCP1), ratio(rep.OfRaw),
-			kv.ReqPerSec, se.ReqPerSec, ratio(div(kv.ReqPerSec, se.ReqPerSec)))
+			f2(kv.GBps), f2(se.GBps), ratio(rep.Ratios["gb_per_s"]), f2(rep.RawTCP1), ratio(rep.OfRaw),
+			kv.ReqPerSec, se.ReqPerSec, ratio(rep.Ratios["requests_per_s"]))
 	}
 	p("\nRequest latency, arrival to done on the last decode rank (mixed: per request class):\n\n")
 	p("| workload | class | kvflow p50 | serial p50 | kvflow/serial | kvflow p99 | serial p99 | kvflow/serial | kvflow max | serial max |\n")
 	p("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
 	for _, rep := range res.Reports {
-		kv, se := best(rep, benche2e.ModePipeline), best(rep, benche2e.ModeSerial)
+		kv, se := rep.Typical(benche2e.ModePipeline), rep.Typical(benche2e.ModeSerial)
 		if kv == nil || se == nil {
 			continue
 		}
-		row := func(class string, a, b benche2e.Latency) {
+		row := func(class, key string, a, b benche2e.Latency) {
 			p("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", wname(rep.Workload), class, msd(a.P50), msd(b.P50),
-				ratio(div(float64(a.P50), float64(b.P50))), msd(a.P99), msd(b.P99), ratio(div(float64(a.P99), float64(b.P99))), msd(a.Max), msd(b.Max))
+				ratioOf(rep, key+"_p50"), msd(a.P99), msd(b.P99), ratioOf(rep, key+"_p99"), msd(a.Max), msd(b.Max))
 		}
-		row("all", kv.All, se.All)
+		row("all", "latency", kv.All, se.All)
 		if kv.Short != nil && se.Short != nil {
-			row("1-block", *kv.Short, *se.Short)
-			row("long", *kv.Long, *se.Long)
+			row("1-block", "short_latency", *kv.Short, *se.Short)
+			row("long", "long_latency", *kv.Long, *se.Long)
 		}
 	}
 	p("\nPer-stage p50 / p99 from the decode workers' `kvflow_stage_duration_seconds` (same runs):\n\n")
@@ -266,7 +270,7 @@ func renderE2E(p printf, res *benche2e.Result) {
 	p("\n| --- | --- |%s\n", strings.Repeat(" --- |", len(stages)))
 	for _, rep := range res.Reports {
 		for _, mode := range []string{benche2e.ModePipeline, benche2e.ModeSerial} {
-			r := best(rep, mode)
+			r := rep.Typical(mode)
 			if r == nil {
 				continue
 			}

@@ -62,13 +62,14 @@ func result() *benche2e.Result {
 		return benche2e.RunReport{Mode: mode, Requests: 8, Wall: time.Duration(1e9 / gbps), GBps: gbps, ReqPerSec: rps, All: lat(ms), Stages: st}
 	}
 	long := &benche2e.Report{Workload: mk(benche2e.Long, [2]int{4, 2}), RawTCP1: 2, OfRaw: 0.9, Workers: "kvflow serve processes",
-		Runs: []benche2e.RunReport{run("kvflow", 1.8, 10, 100), run("serial", 1.2, 7, 150)}}
+		Runs:   []benche2e.RunReport{run("kvflow", 1.8, 10, 100), run("serial", 1.2, 7, 150)},
+		Ratios: map[string]float64{"gb_per_s": 1.5, "requests_per_s": 10.0 / 7}}
 	mixed := &benche2e.Report{Workload: mk(benche2e.Mixed, [2]int{1, 1}), RawTCP1: 2, OfRaw: 1.1,
 		Runs: []benche2e.RunReport{run("kvflow", 2, 100, 10), run("serial", 1, 50, 20)}}
 	s1, s2 := lat(1), lat(30)
 	mixed.Runs[0].Short, mixed.Runs[0].Long = &s1, &s1
 	mixed.Runs[1].Short, mixed.Runs[1].Long = &s2, &s2
-	mixed.Ratios = map[string]float64{"short_latency_p99": 1.0 / 30}
+	mixed.Ratios = map[string]float64{"short_latency_p50": 1.0 / 30, "short_latency_p99": 1.0 / 30}
 	return &benche2e.Result{GoVersion: "go1.x", CPUs: 2, Reports: []*benche2e.Report{long, mixed}}
 }
 
