@@ -188,8 +188,11 @@ func TestRoundRatios(t *testing.T) {
 		}}
 	rep.ratios()
 	// ceilings 3, 3, 4: of raw 1, 0.5, 1 -> median 1
-	if rep.OfRaw != 1 {
-		t.Errorf("of raw = %v, want 1", rep.OfRaw)
+	if rep.OfRaw != 1 || !slices.Equal(rep.OfRawRounds, []float64{1, 0.5, 1}) {
+		t.Errorf("of raw = %v (rounds %v), want 1 (1, 0.5, 1)", rep.OfRaw, rep.OfRawRounds)
+	}
+	if got := rep.RoundRatios["gb_per_s"]; !slices.Equal(got, []float64{3, 1.5, 2}) {
+		t.Errorf("rounds' GB/s ratios = %v, want [3 1.5 2]", got)
 	}
 	// kvflow/serial GB/s 3, 1.5, 2 -> 2; 1-block p99 0.1, 0.2, 0.2 -> 0.2
 	for k, want := range map[string]float64{"gb_per_s": 2, "requests_per_s": 2, "short_latency_p99": 0.2, "latency_p50": 0.2, "long_latency_p50": 0.2} {

@@ -112,6 +112,10 @@ type Report struct {
 	// median over the rounds of each kvflow run against its round's
 	// ceiling.
 	OfRaw float64 `json:"kvflow_over_raw_tcp,omitempty"`
+	// RoundRatios and OfRawRounds are the rounds' own ratios, in round
+	// order, that Ratios and OfRaw are the medians of.
+	RoundRatios map[string][]float64 `json:"round_ratios,omitempty"`
+	OfRawRounds []float64            `json:"kvflow_over_raw_tcp_rounds,omitempty"`
 }
 
 // Bench runs one workload: it sizes it (o.Workload.Layers may come back
@@ -302,9 +306,10 @@ func (rep *Report) ratios() {
 		}
 	}
 	if len(ofRaw) > 0 {
-		rep.OfRaw = median(ofRaw)
+		rep.OfRaw, rep.OfRawRounds = median(ofRaw), ofRaw
 	}
 	if len(per) > 0 {
+		rep.RoundRatios = per
 		rep.Ratios = make(map[string]float64, len(per))
 		for k, v := range per {
 			rep.Ratios[k] = median(v)
