@@ -3,6 +3,7 @@ package mooncake
 import (
 	"context"
 	"testing"
+	"time"
 )
 
 // queuedBatch makes a batch of n requests of size bytes each, named by
@@ -110,5 +111,42 @@ func TestQueueWithdraw(t *testing.T) {
 	}
 	if q.queued != 0 {
 		t.Errorf("%d requests still counted", q.queued)
+	}
+}
+
+// TestQueueAdmitsShortBatch: with the peer's queue full of large batches a
+// batch shorter than all of them is admitted at once (the lanes would take
+// it first anyway), while another large batch waits for room.
+func TestQueueAdmitsShortBatch(t *testing.T) {
+	q := newQueue(8, 4)
+	queuedBatch(t, q, 1, 16, 4<<20) // over depth: admitted into an empty queue
+	small := &batch{ctx: context.Background()}
+	for i := range 2 {
+		small.tasks = append(small.tasks, task{b: small, op: i, remote: 2, length: 256 << 10})
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := q.add(ctx, nil, small); err != nil {
+		t.Fatalf("short batch: %v", err)
+	}
+	if tk := q.take(); tk == nil || tk.remote != 2 {
+		t.Fatalf("first take %+v, want the short batch", tk)
+	}
+	// A batch as large as the queued one's remainder waits for room.
+	large := &batch{ctx: context.Background()}
+	for i := range 16 {
+		large.tasks = append(large.tasks, task{b: large, op: i, remote: 3, length: 4 << 20})
+	}
+	short, cancelShort := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancelShort()
+	if err := q.add(short, nil, large); err == nil {
+		t.Fatal("a large batch was admitted into a full queue")
+	}
+	// Room once the queue drains below depth.
+	for q.queued >= q.depth {
+		q.take()
+	}
+	if err := q.add(ctx, nil, large); err != nil {
+		t.Fatalf("large batch after room: %v", err)
 	}
 }

@@ -339,10 +339,19 @@ func newQueue(depth, lanes int) *queue {
 }
 
 // add queues all of b's requests; it waits (ctx, done permitting) while
-// depth requests are already queued on the peer.
+// depth requests are already queued on the peer, unless b is shorter than
+// every queued batch: the lanes would take b first anyway, so it adds to
+// no queued batch's wait, and making it wait would hold a small transfer
+// behind the bulk of large ones (a 1-block read waited for ~256 MiB of
+// 128-block reads to drain below depth). Callers bound how many batches
+// are in flight, so this does not unbound the queue.
 func (q *queue) add(ctx context.Context, done <-chan struct{}, b *batch) error {
+	var size uint64
+	for i := range b.tasks {
+		size += b.tasks[i].length
+	}
 	q.mu.Lock()
-	for q.queued >= q.depth {
+	for q.queued >= q.depth && !q.shorterThanAll(size) {
 		room := q.room
 		q.mu.Unlock()
 		select {
@@ -354,10 +363,7 @@ func (q *queue) add(ctx context.Context, done <-chan struct{}, b *batch) error {
 		}
 		q.mu.Lock()
 	}
-	b.untaken = 0
-	for i := range b.tasks {
-		b.untaken += b.tasks[i].length
-	}
+	b.untaken = size
 	q.ring = append(q.ring, b)
 	q.queued += len(b.tasks)
 	q.mu.Unlock()
@@ -371,6 +377,17 @@ func (q *queue) add(ctx context.Context, done <-chan struct{}, b *batch) error {
 		}
 	}
 	return nil
+}
+
+// shorterThanAll: size is fewer bytes than every queued batch has not yet
+// had taken (so shortest-first would serve it before all of them).
+func (q *queue) shorterThanAll(size uint64) bool {
+	for _, o := range q.ring {
+		if size >= o.untaken {
+			return false
+		}
+	}
+	return true
 }
 
 // take returns the next request (see queue), or nil.
