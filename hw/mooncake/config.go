@@ -23,7 +23,8 @@ type TCPConfig struct {
 	// Lanes is the number of persistent data connections per peer.
 	Lanes int
 	// QueueDepth bounds the requests queued per peer: a batch submitter
-	// waits while this many are queued, then queues all of its own.
+	// waits while this many are queued, then queues all of its own (a
+	// batch shorter than every queued one does not wait).
 	QueueDepth int
 	// Pipeline is the number of READ requests a lane keeps outstanding:
 	// headers sent ahead while the responses of earlier ones are still

@@ -78,7 +78,9 @@
 // small batch is not stuck behind the requests of large ones queued before
 // it and, of several large batches, one finishes early instead of all
 // late; every eighth take serves the oldest batch, so a stream of small
-// batches cannot starve a large one. READs are pipelined: a lane keeps up
+// batches cannot starve a large one. The per-peer depth bound (QueueDepth)
+// holds back a new batch, except one shorter than every queued batch,
+// which would be served first anyway. READs are pipelined: a lane keeps up
 // to Pipeline (512) requests outstanding, or fewer once they add up to
 // PipelineBytes (4 MiB) beyond the first two, sending the next headers
 // while earlier responses stream (once the window is full it refills it
