@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"sync"
 	"time"
 
@@ -274,7 +275,7 @@ func (c *Client) SendDoneBatched(ctx context.Context, endpoint, reqID string) er
 		p.bmu.Unlock()
 		start := time.Now()
 		c.m.batchIDs.WithLabelValues(roleClient).Observe(1)
-		err := c.callOn(ctx, opDoneBatch, p, wire.EncodeDoneBatch([]string{reqID}), wire.DecodeAck, start)
+		err := c.callOn(ctx, opDoneBatch, p, wire.AppendDoneBatchMsg(nil, []string{reqID}, newMsgID()), wire.DecodeAck, start)
 		p.bmu.Lock()
 		if len(p.pending) == 0 {
 			p.batchers--
@@ -359,7 +360,7 @@ func (c *Client) batcher(p *peer) {
 		c.m.batchIDs.WithLabelValues(roleClient).Observe(float64(len(ids)))
 		// Bound by the client's attempts and Close, not by any caller's ctx:
 		// the message carries every caller's id.
-		err := c.callOn(context.Background(), opDoneBatch, p, wire.EncodeDoneBatch(ids), wire.DecodeAck, time.Now())
+		err := c.callOn(context.Background(), opDoneBatch, p, wire.AppendDoneBatchMsg(nil, ids, newMsgID()), wire.DecodeAck, time.Now())
 		for _, w := range batch {
 			w.err = err
 			close(w.done)
@@ -413,6 +414,18 @@ type permanentError struct{ err error }
 
 func (e permanentError) Error() string { return e.err.Error() }
 func (e permanentError) Unwrap() error { return e.err }
+
+// newMsgID is a DONE batch's message id: random, never 0, made once per
+// message so every retry of it carries the same one (the server ACKs a
+// repeat without counting its DONEs twice). Ids of different messages
+// collide with probability ~2^-48 within a server's memory of 2^16.
+func newMsgID() uint64 {
+	for {
+		if id := rand.Uint64(); id != 0 {
+			return id
+		}
+	}
+}
 
 // errAttemptTimeout: one attempt got no reply in time (retryable).
 var errAttemptTimeout = errors.New("no reply within attempt timeout")

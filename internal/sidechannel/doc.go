@@ -20,7 +20,7 @@
 //	P → D  [identity] "" raw "ACK"
 //	D → P  [identity] "" msgpack [bin "renew_msg", [request_id, ...]]   (kvflow only)
 //	P → D  [identity] "" raw "ACK"
-//	D → P  [identity] "" msgpack [bin "done_batch_msg", [request_id, ...]]   (kvflow only)
+//	D → P  [identity] "" msgpack [bin "done_batch_msg", [request_id, ...], msg_id]   (kvflow only; msg_id optional)
 //	P → D  [identity] "" raw "ACK"
 //
 // The server, like the seed, accepts the payload with or without the empty
@@ -43,8 +43,12 @@
 // then replies once, "ACK" — also when Done returned errors (logged once
 // per message, outcome "handler_error"), as for DONE_RECVING — or
 // "ERR internal error" when a Done call panicked (the other ids are still
-// handed over). An empty list, non-str ids or too many ids are bad
-// messages ("ERR decode: ...").
+// handed over). An empty list, non-str ids, too many ids or a msg_id that
+// is not a uint are bad messages ("ERR decode: ..."). The client gives
+// every message a random msg_id, the same on each retry of it; a server
+// that has handed over a msg_id (of its last 65,536) answers a repeat
+// "ACK" without calling Done again (outcome "duplicate"), so a batch whose
+// ACK was late is not counted twice. Servers from before msg_id skip it.
 //
 // Every Server takes it, but a decode worker sends it only to a peer whose
 // metadata advertised Ext.BatchDone (the prefill worker does, unless

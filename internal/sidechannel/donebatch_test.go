@@ -518,3 +518,66 @@ func TestDoneBatchOptions(t *testing.T) {
 		}
 	}
 }
+
+// TestDoneBatchRetryCountedOnce: a DONE batch whose ACK came too late is
+// sent again with the same message id, and the server ACKs the repeat
+// without handing its ids over twice (a prefill rank expecting DONEs from
+// two decode ranks must not free on one rank's retry). Over real sockets:
+// the client's retry, and the same bytes sent twice by hand.
+func TestDoneBatchRetryCountedOnce(t *testing.T) {
+	e := newEnv(t)
+	gate := make(chan struct{})
+	h := &recorder{md: testMeta, gate: gate}
+	s := e.server(t, h, ServerOptions{})
+	c := e.client(t, ClientOptions{AttemptTimeout: 200 * time.Millisecond, Attempts: 3, RetryBackoff: 10 * time.Millisecond})
+	// The first attempt's Done is held past its timeout, so the client
+	// sends the message again while the server still holds the first.
+	open := time.AfterFunc(350*time.Millisecond, func() { close(gate) })
+	defer open.Stop()
+	if err := c.SendDoneBatched(context.Background(), s.Addr(), "r1"); err != nil {
+		t.Fatal(err)
+	}
+	if got := h.doneIDs(); !reflect.DeepEqual(got, []string{"r1"}) {
+		t.Fatalf("Done calls %q, want [r1] once", got)
+	}
+	if v := serverRequests(t, e, "done_batch", "duplicate", 1); v != 1 {
+		t.Errorf("server done_batch duplicate %v, want 1", v)
+	}
+
+	d := e.dealer(t, s.Addr(), nil)
+	send := func(payload []byte) {
+		t.Helper()
+		if _, err := d.SendMessage([]byte{}, payload); err != nil {
+			t.Fatal(err)
+		}
+		if got, err := d.RecvMessageBytes(0); err != nil || len(got) != 2 || string(got[1]) != "ACK" {
+			t.Fatalf("reply %q %v", got, err)
+		}
+	}
+	msg := wire.AppendDoneBatchMsg(nil, []string{"a", "b"}, 42)
+	send(msg)
+	send(msg)
+	send(wire.AppendDoneBatchMsg(nil, []string{"a"}, 43)) // another message: counted
+	send(wire.EncodeDoneBatch([]string{"b"}))             // no id: counted, as before
+	if got, want := h.doneIDs(), []string{"r1", "a", "b", "a", "b"}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("Done calls %q, want %q", got, want)
+	}
+}
+
+func TestSeenIDsBounded(t *testing.T) {
+	var s seenIDs
+	for id := uint64(1); id <= seenCap+10; id++ {
+		if !s.add(id) {
+			t.Fatalf("id %d reported seen", id)
+		}
+	}
+	if len(s.set) != seenCap || len(s.ring) != seenCap {
+		t.Fatalf("remembers %d ids (ring %d), want %d", len(s.set), len(s.ring), seenCap)
+	}
+	if !s.add(1) { // evicted, oldest first
+		t.Error("id 1 should have been forgotten")
+	}
+	if s.add(seenCap + 10) {
+		t.Error("the newest id was forgotten")
+	}
+}

@@ -30,6 +30,7 @@ const (
 	// Server outcomes (bad messages are counted separately).
 	outcomeHandlerError = "handler_error" // handler returned an error or panicked
 	outcomeSendError    = "send_error"    // reply could not be queued
+	outcomeDuplicate    = "duplicate"     // a retried DONE batch already handed over: ACKed, not counted
 
 	// Bad message reasons (server).
 	badEnvelope = "envelope" // not [identity, (""), payload] with one payload

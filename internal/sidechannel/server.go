@@ -120,6 +120,9 @@ type Server struct {
 	m    *metrics
 	addr string
 	zap  string // ZAP domain of a CURVE server, "" otherwise
+	// seen: ids of DONE batches already handed over, so a retried one is
+	// ACKed without counting its DONEs twice.
+	seen seenIDs
 
 	sock  *zmq.Socket // ROUTER; owned by the loop goroutine
 	wakeR *zmq.Socket // PAIR; owned by the loop goroutine
@@ -441,9 +444,15 @@ func (s *Server) handle(frames [][]byte) {
 			}
 		}
 	case wire.KindDoneBatch:
-		s.log.Debug("got DONE_BATCH", "requests", len(req.RequestIDs))
-		s.m.batchIDs.WithLabelValues(roleServer).Observe(float64(len(req.RequestIDs)))
+		s.log.Debug("got DONE_BATCH", "requests", len(req.RequestIDs), "msg_id", req.MsgID)
 		reply = []byte(wire.AckReply)
+		if req.MsgID != 0 && !s.seen.add(req.MsgID) {
+			// A retry of a message already handed over (its ACK was lost
+			// or late): ACK it again, count nothing twice.
+			outcome = outcomeDuplicate
+			break
+		}
+		s.m.batchIDs.WithLabelValues(roleServer).Observe(float64(len(req.RequestIDs)))
 		if failed, panicked, first := s.callDoneBatch(req.RequestIDs); failed > 0 {
 			outcome = outcomeHandlerError
 			if panicked > 0 {

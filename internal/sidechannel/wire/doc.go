@@ -31,6 +31,9 @@
 //     one done_recving_msg per id in order (an id listed twice counts
 //     twice); sent only to a peer whose metadata carries batch_done, e.g.
 //     92 c4 0e 646f6e655f62617463685f6d7367 92 a1 61 a1 62 for ["a", "b"];
+//     an optional third element, uint msg_id (not 0), names the message
+//     for its retries: 93 c4 0e 646f6e655f62617463685f6d7367 91 a1 61
+//     cf 0102030405060708 for ["a"] and id 0x0102030405060708;
 //   - the raw error reply "ERR <reason>" to a request kvflow could not handle
 //     (the seed drops such requests and lets the peer time out).
 //

@@ -22,7 +22,11 @@ const (
 	// [b"done_batch_msg", [req_id, ...]], answered "ACK": the same as one
 	// done_recving_msg per id, in order (an id listed twice counts twice).
 	// Not in the seed: a decode worker sends it only to peers whose
-	// metadata advertised Ext.BatchDone.
+	// metadata advertised Ext.BatchDone. An optional third element,
+	// [b"done_batch_msg", [req_id, ...], msg_id], is the sender's id of
+	// the message (uint, not 0), the same on every retry of it: a server
+	// that has seen msg_id ACKs the message again without counting its
+	// DONEs twice. Servers before it skip the element.
 	MsgDoneBatch = "done_batch_msg"
 )
 
@@ -121,6 +125,8 @@ type Request struct {
 	Kind       Kind
 	RequestID  string   // KindDoneRecving only
 	RequestIDs []string // KindRenew (may be empty), KindDoneBatch (never empty)
+	// MsgID is a KindDoneBatch message's id (0: none sent).
+	MsgID uint64
 }
 
 // Metadata is the seed's MooncakeAgentMetadata plus kvflow's optional
@@ -189,6 +195,22 @@ func AppendDoneBatch(dst []byte, reqIDs []string) []byte {
 	return appendIDList(dst, MsgDoneBatch, reqIDs)
 }
 
+// AppendDoneBatchMsg is AppendDoneBatch with the message's id (0 = none,
+// the same bytes as AppendDoneBatch): [b"done_batch_msg", [reqIDs...],
+// msgID]. A sender keeps one msgID per message, across its retries.
+func AppendDoneBatchMsg(dst []byte, reqIDs []string, msgID uint64) []byte {
+	if msgID == 0 {
+		return AppendDoneBatch(dst, reqIDs)
+	}
+	dst = appendArrayLen(dst, 3)
+	dst = appendBin(dst, MsgDoneBatch)
+	dst = appendArrayLen(dst, len(reqIDs))
+	for _, id := range reqIDs {
+		dst = appendStr(dst, id)
+	}
+	return appendUint(dst, msgID)
+}
+
 // appendIDList appends msgpack [bin kind, [str id, ...]], the shape of
 // kvflow's list messages.
 func appendIDList(dst []byte, kind string, reqIDs []string) []byte {
@@ -214,7 +236,7 @@ func EncodeRequest(r Request) []byte {
 	case KindRenew:
 		return EncodeRenew(r.RequestIDs)
 	case KindDoneBatch:
-		return EncodeDoneBatch(r.RequestIDs)
+		return AppendDoneBatchMsg(nil, r.RequestIDs, r.MsgID)
 	}
 	panic("sidechannel: EncodeRequest: unknown kind " + r.Kind.String())
 }
@@ -278,6 +300,12 @@ func DecodeRequest(b []byte) (Request, error) {
 			return Request{}, err
 		}
 		rest--
+		if rest > 0 {
+			if req.MsgID, err = r.uint("request[2]"); err != nil {
+				return Request{}, err
+			}
+			rest--
+		}
 	default:
 		return Request{}, fmt.Errorf("%w %s", ErrUnknownMessage, quote(tag))
 	}

@@ -214,6 +214,36 @@ func TestRenewBytes(t *testing.T) {
 	}
 }
 
+// TestDoneBatchMsgID pins the optional message id of done_batch_msg: a
+// third element, uint; 0 sends the two-element form; a wrongly typed id is
+// a bad message, not a skipped one.
+func TestDoneBatchMsgID(t *testing.T) {
+	b := AppendDoneBatchMsg(nil, []string{"a"}, 0x0102030405060708)
+	const golden = "93" + "c40e" + "646f6e655f62617463685f6d7367" + "91" + "a161" + "cf0102030405060708"
+	if got := hex.EncodeToString(b); got != golden {
+		t.Fatalf("bytes %s, want %s", got, golden)
+	}
+	got, err := DecodeRequest(b)
+	if err != nil || got.Kind != KindDoneBatch || got.MsgID != 0x0102030405060708 || !reflect.DeepEqual(got.RequestIDs, []string{"a"}) {
+		t.Fatalf("decode: %+v %v", got, err)
+	}
+	if !reflect.DeepEqual(EncodeRequest(got), b) {
+		t.Fatal("EncodeRequest with MsgID differs")
+	}
+	if !reflect.DeepEqual(AppendDoneBatchMsg(nil, []string{"a"}, 0), EncodeDoneBatch([]string{"a"})) {
+		t.Fatal("msg id 0 must send the two-element form")
+	}
+	if got, err := DecodeRequest(EncodeDoneBatch([]string{"a"})); err != nil || got.MsgID != 0 {
+		t.Fatalf("without an id: %+v %v", got, err)
+	}
+	for name, tail := range map[string]string{"str": "a178", "negative": "ff", "nil": "c0"} {
+		bad, _ := hex.DecodeString("93" + "c40e" + "646f6e655f62617463685f6d7367" + "91" + "a161" + tail)
+		if _, err := DecodeRequest(bad); !errors.Is(err, ErrMalformed) || !strings.Contains(err.Error(), "request[2]") {
+			t.Errorf("%s msg id: %v", name, err)
+		}
+	}
+}
+
 // TestDoneBatchBytes pins done_batch_msg's bytes (golden): a msgpack array
 // like the seed's requests, bin tag "done_batch_msg", then a non-empty array
 // of str ids; and the bounds of one message.
@@ -482,7 +512,9 @@ func TestDecodeRequest(t *testing.T) {
 		{"renew too many", EncodeRenew(make([]string, MaxRenewIDs+1)), Request{}, ErrMalformed},
 		{"done_batch", EncodeDoneBatch([]string{"a", "b", "a"}), Request{Kind: KindDoneBatch, RequestIDs: []string{"a", "b", "a"}}, nil},
 		{"done_batch empty id", EncodeDoneBatch([]string{""}), Request{Kind: KindDoneBatch, RequestIDs: []string{""}}, nil},
-		{"done_batch extra", build([]byte{0x93, 0xc4, 14}, []byte("done_batch_msg"), []byte{0x91}, "r", 7), Request{Kind: KindDoneBatch, RequestIDs: []string{"r"}}, nil},
+		{"done_batch msg id", build([]byte{0x93, 0xc4, 14}, []byte("done_batch_msg"), []byte{0x91}, "r", 7), Request{Kind: KindDoneBatch, RequestIDs: []string{"r"}, MsgID: 7}, nil},
+		{"done_batch extra", build([]byte{0x94, 0xc4, 14}, []byte("done_batch_msg"), []byte{0x91}, "r", 7, []byte{0x80}), Request{Kind: KindDoneBatch, RequestIDs: []string{"r"}, MsgID: 7}, nil},
+		{"done_batch str msg id", build([]byte{0x93, 0xc4, 14}, []byte("done_batch_msg"), []byte{0x91}, "r", "7"), Request{}, ErrMalformed},
 		{"done_batch none", EncodeDoneBatch(nil), Request{}, ErrMalformed},
 		{"done_batch no ids", build([]byte{0x91, 0xc4, 14}, []byte("done_batch_msg")), Request{}, ErrMalformed},
 		{"done_batch str ids", build([]byte{0x92, 0xc4, 14}, []byte("done_batch_msg"), "r"), Request{}, ErrMalformed},
