@@ -150,3 +150,45 @@ func TestQueueAdmitsShortBatch(t *testing.T) {
 		t.Fatalf("large batch after room: %v", err)
 	}
 }
+
+// TestQueueAdmitsShortBatchesInTurn: two equal short batches behind a full
+// queue of a large one. The second waits while the first is queued (it is
+// not shorter than it) and is admitted as soon as the first has been
+// taken, although the queue is still over its depth.
+func TestQueueAdmitsShortBatchesInTurn(t *testing.T) {
+	q := newQueue(8, 4)
+	queuedBatch(t, q, 1, 16, 4<<20)
+	short := func(name uint64) *batch {
+		b := &batch{ctx: context.Background()}
+		for i := range 2 {
+			b.tasks = append(b.tasks, task{b: b, op: i, remote: name, length: 256 << 10})
+		}
+		return b
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := q.add(ctx, nil, short(2)); err != nil {
+		t.Fatal(err)
+	}
+	admitted := make(chan error, 1)
+	go func() { admitted <- q.add(ctx, nil, short(3)) }()
+	select {
+	case err := <-admitted:
+		t.Fatalf("second short batch admitted beside an equal one (err %v)", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	for range 2 {
+		if tk := q.take(); tk == nil || tk.remote != 2 {
+			t.Fatalf("take %+v, want the first short batch", tk)
+		}
+	}
+	if err := <-admitted; err != nil {
+		t.Fatalf("second short batch: %v", err)
+	}
+	if q.queued < q.depth {
+		t.Fatalf("queue drained to %d: the test needs it still full", q.queued)
+	}
+	if tk := q.take(); tk == nil || tk.remote != 3 {
+		t.Fatalf("take %+v, want the second short batch", tk)
+	}
+}

@@ -438,14 +438,25 @@ func (q *queue) removeAt(i int) {
 	copy(q.ring[i:], q.ring[i+1:])
 	q.ring[len(q.ring)-1] = nil
 	q.ring = q.ring[:len(q.ring)-1]
+	if q.queued >= q.depth {
+		// Still full, but a batch left: a waiting batch may now be
+		// shorter than every one queued (add's exception), so waiters
+		// look again.
+		q.wake()
+	}
+}
+
+// wake lets every add waiting for room check again.
+func (q *queue) wake() {
+	close(q.room)
+	q.room = make(chan struct{})
 }
 
 func (q *queue) dequeued(n int) {
 	was := q.queued
 	q.queued -= n
 	if was >= q.depth && q.queued < q.depth {
-		close(q.room)
-		q.room = make(chan struct{})
+		q.wake()
 	}
 }
 
