@@ -529,19 +529,42 @@ func TestDoneBatchRetryCountedOnce(t *testing.T) {
 	gate := make(chan struct{})
 	h := &recorder{md: testMeta, gate: gate}
 	s := e.server(t, h, ServerOptions{})
-	c := e.client(t, ClientOptions{AttemptTimeout: 200 * time.Millisecond, Attempts: 3, RetryBackoff: 10 * time.Millisecond})
-	// The first attempt's Done is held past its timeout, so the client
-	// sends the message again while the server still holds the first.
-	open := time.AfterFunc(350*time.Millisecond, func() { close(gate) })
-	defer open.Stop()
-	if err := c.SendDoneBatched(context.Background(), s.Addr(), "r1"); err != nil {
+	c := e.client(t, ClientOptions{AttemptTimeout: 200 * time.Millisecond, Attempts: 5, RetryBackoff: 10 * time.Millisecond})
+	// The first attempt's Done is held until the client has timed out on
+	// it, so the client sends the message again while the server still
+	// holds the first.
+	sent := make(chan error, 1)
+	go func() { sent <- c.SendDoneBatched(context.Background(), s.Addr(), "r1") }()
+	deadline := time.Now().Add(10 * time.Second)
+	for metric(t, e, "kvflow_sidechannel_socket_resets_total", map[string]string{"reason": resetTimeout}) < 1 {
+		if time.Now().After(deadline) {
+			t.Fatal("the client never timed out on the held DONE")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	close(gate)
+	if err := <-sent; err != nil {
 		t.Fatal(err)
 	}
 	if got := h.doneIDs(); !reflect.DeepEqual(got, []string{"r1"}) {
 		t.Fatalf("Done calls %q, want [r1] once", got)
 	}
-	if v := serverRequests(t, e, "done_batch", "duplicate", 1); v != 1 {
-		t.Errorf("server done_batch duplicate %v, want 1", v)
+	if v := serverRequests(t, e, "done_batch", "duplicate", 1); v < 1 {
+		t.Errorf("server done_batch duplicate %v, want >= 1", v)
+	}
+
+	// A message whose first handling panicked: its repeat gets the same
+	// "ERR internal error", not an ACK that would report it delivered.
+	s2 := e.server(t, HandlerFuncs{DoneFunc: func(id string) error { panic("boom") }}, ServerOptions{})
+	d2 := e.dealer(t, s2.Addr(), nil)
+	boom := wire.AppendDoneBatchMsg(nil, []string{"p"}, 7)
+	for i := range 2 {
+		if _, err := d2.SendMessage([]byte{}, boom); err != nil {
+			t.Fatal(err)
+		}
+		if got, err := d2.RecvMessageBytes(0); err != nil || len(got) != 2 || string(got[1]) != "ERR internal error" {
+			t.Fatalf("send %d of a panicking batch: reply %q %v", i+1, got, err)
+		}
 	}
 
 	d := e.dealer(t, s.Addr(), nil)
@@ -567,17 +590,22 @@ func TestDoneBatchRetryCountedOnce(t *testing.T) {
 func TestSeenIDsBounded(t *testing.T) {
 	var s seenIDs
 	for id := uint64(1); id <= seenCap+10; id++ {
-		if !s.add(id) {
+		if _, seen := s.check(id); seen {
 			t.Fatalf("id %d reported seen", id)
 		}
 	}
-	if len(s.set) != seenCap || len(s.ring) != seenCap {
-		t.Fatalf("remembers %d ids (ring %d), want %d", len(s.set), len(s.ring), seenCap)
+	if len(s.reply) != seenCap || len(s.ring) != seenCap {
+		t.Fatalf("remembers %d ids (ring %d), want %d", len(s.reply), len(s.ring), seenCap)
 	}
-	if !s.add(1) { // evicted, oldest first
+	if _, seen := s.check(1); seen { // evicted, oldest first
 		t.Error("id 1 should have been forgotten")
 	}
-	if s.add(seenCap + 10) {
-		t.Error("the newest id was forgotten")
+	s.answered(seenCap+10, []byte("ERR x"))
+	if r, seen := s.check(seenCap + 10); !seen || string(r) != "ERR x" {
+		t.Errorf("the newest id: seen %v, reply %q", seen, r)
+	}
+	s.answered(2, []byte("ERR y")) // forgotten: not brought back
+	if len(s.reply) != seenCap {
+		t.Errorf("answered re-added a forgotten id: %d remembered", len(s.reply))
 	}
 }

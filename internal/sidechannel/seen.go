@@ -5,34 +5,46 @@ import "sync"
 // seenCap bounds the DONE-batch message ids a server remembers. A retry
 // follows its first send within the client's attempts (seconds), while
 // 65,536 messages take a busy prefill worker minutes, so a retry always
-// finds its id; 65,536 × ~24 bytes stays under 2 MiB.
+// finds its id; 65,536 ids stay under 2 MiB.
 const seenCap = 1 << 16
 
-// seenIDs remembers the last seenCap message ids, oldest evicted first.
+// seenIDs remembers the last seenCap message ids handed over, oldest
+// evicted first, with the reply each got when it was not "ACK" (a handler
+// panic's "ERR internal error"), so a repeat is answered as the first was.
 type seenIDs struct {
-	mu   sync.Mutex
-	set  map[uint64]struct{}
-	ring []uint64 // insertion order; next is the slot to overwrite
-	next int
+	mu    sync.Mutex
+	reply map[uint64][]byte // nil: ACK
+	ring  []uint64          // insertion order; next is the slot to overwrite
+	next  int
 }
 
-// add records id and reports whether it was new.
-func (s *seenIDs) add(id uint64) bool {
+// check reports whether id was seen, with its reply (nil: ACK); an unseen
+// id is recorded, answered ACK unless answered says otherwise.
+func (s *seenIDs) check(id uint64) (reply []byte, seen bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if _, ok := s.set[id]; ok {
-		return false
+	if r, ok := s.reply[id]; ok {
+		return r, true
 	}
-	if s.set == nil {
-		s.set = make(map[uint64]struct{})
+	if s.reply == nil {
+		s.reply = make(map[uint64][]byte)
 	}
 	if len(s.ring) < seenCap {
 		s.ring = append(s.ring, id)
 	} else {
-		delete(s.set, s.ring[s.next])
+		delete(s.reply, s.ring[s.next])
 		s.ring[s.next] = id
 		s.next = (s.next + 1) % seenCap
 	}
-	s.set[id] = struct{}{}
-	return true
+	s.reply[id] = nil
+	return nil, false
+}
+
+// answered records the reply id got, if it is still remembered.
+func (s *seenIDs) answered(id uint64, reply []byte) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.reply[id]; ok {
+		s.reply[id] = reply
+	}
 }

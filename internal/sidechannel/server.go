@@ -26,7 +26,9 @@ type Handler interface {
 	// already finished request id is the tracker's business, as in the
 	// seed); the error is logged and counted as outcome "handler_error".
 	// A done_batch_msg (kvflow) calls Done once per id, in order, then
-	// replies once: "ACK", or "ERR internal error" if any call panicked.
+	// replies once: "ACK", or "ERR internal error" if any call panicked;
+	// a repeat of a message id already handed over calls nothing and gets
+	// the first one's reply.
 	Done(reqID string) error
 }
 
@@ -446,11 +448,17 @@ func (s *Server) handle(frames [][]byte) {
 	case wire.KindDoneBatch:
 		s.log.Debug("got DONE_BATCH", "requests", len(req.RequestIDs), "msg_id", req.MsgID)
 		reply = []byte(wire.AckReply)
-		if req.MsgID != 0 && !s.seen.add(req.MsgID) {
-			// A retry of a message already handed over (its ACK was lost
-			// or late): ACK it again, count nothing twice.
-			outcome = outcomeDuplicate
-			break
+		if req.MsgID != 0 {
+			if prev, dup := s.seen.check(req.MsgID); dup {
+				// A retry of a message already handed over (its reply was
+				// lost or late): the first one's reply again, no Done
+				// called twice.
+				outcome = outcomeDuplicate
+				if prev != nil {
+					reply = prev
+				}
+				break
+			}
 		}
 		s.m.batchIDs.WithLabelValues(roleServer).Observe(float64(len(req.RequestIDs)))
 		if failed, panicked, first := s.callDoneBatch(req.RequestIDs); failed > 0 {
@@ -461,6 +469,9 @@ func (s *Server) handle(frames [][]byte) {
 			} else {
 				s.log.Warn("done handler error (ACKed anyway)", "requests", len(req.RequestIDs), "failed", failed, "err", first)
 			}
+		}
+		if req.MsgID != 0 && string(reply) != wire.AckReply {
+			s.seen.answered(req.MsgID, reply)
 		}
 	case wire.KindDoneRecving:
 		s.log.Debug("got DONE_RECVING", "request_id", req.RequestID)

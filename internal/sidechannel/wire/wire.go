@@ -24,9 +24,10 @@ const (
 	// Not in the seed: a decode worker sends it only to peers whose
 	// metadata advertised Ext.BatchDone. An optional third element,
 	// [b"done_batch_msg", [req_id, ...], msg_id], is the sender's id of
-	// the message (uint, not 0), the same on every retry of it: a server
-	// that has seen msg_id ACKs the message again without counting its
-	// DONEs twice. Servers before it skip the element.
+	// the message (uint; senders never use 0, which reads as none), the
+	// same on every retry of it: a server that has seen msg_id answers
+	// the repeat as it answered the first, without counting its DONEs
+	// twice. Servers before it skip the element.
 	MsgDoneBatch = "done_batch_msg"
 )
 
@@ -251,7 +252,8 @@ func EncodeRequest(r Request) []byte {
 //   - renew_msg (kvflow): element 1 must be an array of at most MaxRenewIDs
 //     UTF-8 strs; further elements are ignored;
 //   - done_batch_msg (kvflow): element 1 must be an array of 1 to
-//     MaxDoneBatchIDs UTF-8 strs; further elements are ignored;
+//     MaxDoneBatchIDs UTF-8 strs; element 2, if present, a uint message
+//     id (0 reads as none); further elements are ignored;
 //   - nothing may follow the array.
 //
 // A str tag (instead of bin) is malformed, as it is "unexpected" to the seed.
