@@ -211,3 +211,35 @@ func TestRoundRatios(t *testing.T) {
 		t.Errorf("typical of a mode without runs: %+v", r)
 	}
 }
+
+// Edge cases of the rounds: a ratio a round cannot form (a zero
+// denominator) is left out of the median rather than sorted in as NaN; no
+// raw streams means no kvflow/raw figure; a failed stream (0) leaves its
+// rounds the other stream as ceiling; the report still encodes as JSON.
+func TestRoundRatiosEdges(t *testing.T) {
+	run := func(mode string, round int, gbps float64, p99 time.Duration) RunReport {
+		return RunReport{Mode: mode, Round: round, GBps: gbps, ReqPerSec: gbps, Wall: time.Second, All: Latency{P50: p99, P99: p99}}
+	}
+	rep := &Report{Rounds: 3, RawSamples: []float64{2, 0, 4, 4},
+		Runs: []RunReport{
+			run(ModePipeline, 0, 2, time.Millisecond), run(ModeSerial, 0, 1, 0), // serial latency 0: no latency ratio
+			run(ModePipeline, 1, 4, time.Millisecond), run(ModeSerial, 1, 1, 10*time.Millisecond),
+			run(ModePipeline, 2, 4, time.Millisecond), run(ModeSerial, 2, 2, 10*time.Millisecond),
+		}}
+	rep.ratios()
+	if got := rep.RoundRatios["latency_p99"]; !slices.Equal(got, []float64{0.1, 0.1}) {
+		t.Errorf("latency rounds %v, want [0.1 0.1] (round 1 left out)", got)
+	}
+	// ceilings: round 0 only stream 0 (2), round 1 only stream 2 (4), round 2 (4+4)/2
+	if !slices.Equal(rep.OfRawRounds, []float64{1, 1, 1}) || rep.OfRaw != 1 {
+		t.Errorf("of raw %v (rounds %v), want 1", rep.OfRaw, rep.OfRawRounds)
+	}
+	if _, err := json.Marshal(rep); err != nil {
+		t.Errorf("report does not encode: %v", err)
+	}
+	none := &Report{Rounds: 2, Runs: []RunReport{run(ModePipeline, 0, 2, 1), run(ModeSerial, 0, 1, 1), run(ModePipeline, 1, 2, 1), run(ModeSerial, 1, 1, 1)}}
+	none.ratios()
+	if none.OfRaw != 0 || len(none.OfRawRounds) != 0 || none.Ratios["gb_per_s"] != 2 {
+		t.Errorf("without raw streams: of raw %v %v, ratios %v", none.OfRaw, none.OfRawRounds, none.Ratios)
+	}
+}

@@ -31,7 +31,7 @@ func WritePlot(path string, res *Result) error {
 // kvflow, serial and the raw TCP ceiling of the same run; requests/s:
 // kvflow and serial), then one panel per workload with each stage's p50
 // and p99 (decode workers' histograms) in each mode. With repeated runs of
-// a mode, its fastest run is drawn (as the ratios use).
+// a mode (rounds), its median run is drawn (Report.Typical, as the tables).
 func Plot(w io.Writer, res *Result) error {
 	if len(res.Reports) == 0 {
 		return errors.New("nothing to plot")

@@ -94,8 +94,8 @@ type Report struct {
 	CacheBytes int64  `json:"cache_bytes"`
 	BlockBytes int64  `json:"block_bytes"`
 	// RawSamples are 1-connection raw TCP streams, one before each round
-	// and one after the last: round r's ceiling is the mean of samples r
-	// and r+1, the streams just around it. On a shared machine one
+	// and one after the last (0: that stream failed): round r's ceiling
+	// is the mean of samples r and r+1, the streams just around it. On a shared machine one
 	// stream's figure swings by a third from minute to minute, and a
 	// ratio against a ceiling measured minutes away with it.
 	RawSamples []float64 `json:"raw_tcp_1conn_samples_gb_per_s,omitempty"`
@@ -109,8 +109,8 @@ type Report struct {
 	// below 1 are better.
 	Ratios map[string]float64 `json:"ratios_kvflow_over_serial,omitempty"`
 	// OfRaw is kvflow GB/s / the 1-connection raw TCP ceiling, the
-	// median over the rounds of each kvflow run against its round's
-	// ceiling.
+	// median over the rounds of each round's (fastest) kvflow run against
+	// its round's ceiling.
 	OfRaw float64 `json:"kvflow_over_raw_tcp,omitempty"`
 	// RoundRatios and OfRawRounds are the rounds' own ratios, in round
 	// order, that Ratios and OfRaw are the medians of.
@@ -146,13 +146,21 @@ func Bench(ctx context.Context, o Options) (*Report, error) {
 			return nil, err
 		}
 	}
-	rawSample := func() error {
+	// A raw stream that fails before the first round fails the
+	// workload (the ceiling is unmeasurable here); a later one is logged
+	// and counted as 0 (no ceiling for the rounds around it) rather than
+	// throwing the finished runs away.
+	rawSample := func(first bool) error {
 		if o.RawBytes <= 0 {
 			return nil
 		}
 		v, err := RawTCP(o.RawBytes, 1)
 		if err != nil {
-			return err
+			if first {
+				return err
+			}
+			log.Warn("bench e2e: raw TCP stream failed; its rounds have no ceiling", "workload", w.Name, "err", err)
+			v = 0
 		}
 		rep.RawSamples = append(rep.RawSamples, v)
 		return nil
@@ -194,7 +202,7 @@ func Bench(ctx context.Context, o Options) (*Report, error) {
 	// run, as they are around every run.
 	k := 0
 	for round := range rounds {
-		if err := rawSample(); err != nil {
+		if err := rawSample(round == 0); err != nil {
 			return nil, err
 		}
 		for _, m := range o.Modes {
@@ -207,11 +215,17 @@ func Bench(ctx context.Context, o Options) (*Report, error) {
 			rep.Runs = append(rep.Runs, *r)
 		}
 	}
-	if err := rawSample(); err != nil {
+	if err := rawSample(false); err != nil {
 		return nil, err
 	}
-	if len(rep.RawSamples) > 0 {
-		rep.RawTCP1 = median(rep.RawSamples)
+	var streams []float64
+	for _, v := range rep.RawSamples {
+		if v > 0 {
+			streams = append(streams, v)
+		}
+	}
+	if len(streams) > 0 {
+		rep.RawTCP1 = median(streams)
 	}
 	rep.ratios()
 	return rep, nil
@@ -244,15 +258,21 @@ func (rep *Report) Typical(mode string) *RunReport {
 	return rs[(len(rs)-1)/2]
 }
 
-// ceiling is round r's raw TCP ceiling (0 without one).
+// ceiling is round r's raw TCP ceiling: the mean of the streams before
+// and after it that succeeded (0 without one).
 func (rep *Report) ceiling(r int) float64 {
-	switch n := len(rep.RawSamples); {
-	case r+1 < n:
-		return (rep.RawSamples[r] + rep.RawSamples[r+1]) / 2
-	case r < n:
-		return rep.RawSamples[r]
+	var sum float64
+	var k int
+	for _, i := range []int{r, r + 1} {
+		if i < len(rep.RawSamples) && rep.RawSamples[i] > 0 {
+			sum += rep.RawSamples[i]
+			k++
+		}
 	}
-	return 0
+	if k == 0 {
+		return 0
+	}
+	return sum / float64(k)
 }
 
 func (rep *Report) ratios() {
@@ -279,21 +299,26 @@ func (rep *Report) ratios() {
 				continue
 			}
 			switch {
-			case r.Mode == ModePipeline:
-				if c := rep.ceiling(round); c > 0 {
-					ofRaw = append(ofRaw, r.GBps/c)
-				}
-				if kv == nil || r.Wall < kv.Wall {
-					kv = r
-				}
+			case r.Mode == ModePipeline && (kv == nil || r.Wall < kv.Wall):
+				kv = r
 			case r.Mode == ModeSerial && (se == nil || r.Wall < se.Wall):
 				se = r
 			}
 		}
+		if c := rep.ceiling(round); kv != nil && c > 0 {
+			ofRaw = append(ofRaw, kv.GBps/c)
+		}
 		if kv == nil || se == nil {
 			continue
 		}
-		add := func(k string, v float64) { per[k] = append(per[k], v) }
+		// A ratio a round cannot form (a zero denominator: nothing of
+		// that class finished) is left out of that round, not a NaN
+		// that would sort first into the median and break --json.
+		add := func(k string, v float64) {
+			if !math.IsNaN(v) && !math.IsInf(v, 0) {
+				per[k] = append(per[k], v)
+			}
+		}
 		add("gb_per_s", div(kv.GBps, se.GBps))
 		add("requests_per_s", div(kv.ReqPerSec, se.ReqPerSec))
 		add("latency_p50", lat(&kv.All, &se.All, false))
@@ -301,6 +326,8 @@ func (rep *Report) ratios() {
 		if kv.Short != nil && se.Short != nil {
 			add("short_latency_p50", lat(kv.Short, se.Short, false))
 			add("short_latency_p99", lat(kv.Short, se.Short, true))
+		}
+		if kv.Long != nil && se.Long != nil {
 			add("long_latency_p50", lat(kv.Long, se.Long, false))
 			add("long_latency_p99", lat(kv.Long, se.Long, true))
 		}

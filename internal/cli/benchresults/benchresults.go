@@ -232,10 +232,14 @@ func renderE2E(p printf, res *benche2e.Result) {
 	if len(res.Reports) > 0 {
 		rounds = max(res.Reports[0].Rounds, 1)
 	}
-	p("Each workload runs %d rounds on the same workers: a 1-connection raw TCP loopback stream, the kvflow run, the\n", rounds)
-	p("serial run; one more raw stream closes the last round. A round's ceiling is the mean of the two streams around it.\n")
+	plural := "s"
+	if rounds == 1 {
+		plural = ""
+	}
+	p("Each workload runs %d round%s on the same workers: a 1-connection raw TCP loopback stream, then each mode's run\n", rounds, plural)
+	p("(kvflow, serial); one more raw stream closes the last round. A round's ceiling is the mean of the two streams around it.\n")
 	p("Every ratio is formed within a round and the tables give the **median of the rounds' ratios**; the absolute\n")
-	p("figures are each mode's median run, the raw column the median stream (every run and stream in the JSON).\n\n")
+	p("figures are each mode's median run, the raw column the median stream (every run and stream in `--json`).\n\n")
 	p("| workload | layers | kvflow GB/s | serial GB/s | kvflow/serial | raw TCP 1 conn GB/s | kvflow/raw | kvflow req/s | serial req/s | kvflow/serial |\n")
 	p("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
 	for _, rep := range res.Reports {
