@@ -77,8 +77,9 @@
 // bytes not yet taken (shortest remaining first, ties to the older), so a
 // small batch is not stuck behind the requests of large ones queued before
 // it and, of several large batches, one finishes early instead of all
-// late; every eighth take serves the oldest batch, so a stream of small
-// batches cannot starve a large one. The per-peer depth bound (QueueDepth)
+// late; the oldest batch is served at least once per eight of its
+// requests' worth of bytes taken by others, so a stream of small batches
+// keeps 7/8 of the link but cannot starve a large one. The per-peer depth bound (QueueDepth)
 // holds back a new batch, except one shorter than every queued batch,
 // which would be served first anyway. READs are pipelined: a lane keeps up
 // to Pipeline (512) requests outstanding, or fewer once they add up to

@@ -70,10 +70,33 @@ func TestQueueShortestFirst(t *testing.T) {
 
 // TestQueueAgingServesOldest checks that a stream of small batches does
 // not starve a large one: with small batches always queued, the large one
-// still gets one take in agingEvery.
+// still gets 1/agingEvery of the bytes (by bytes, not takes: 4 MiB
+// requests against 64 KiB ones).
 func TestQueueAgingServesOldest(t *testing.T) {
 	q := newQueue(1<<20, 4)
 	queuedBatch(t, q, 1, 1000, 4<<20)
+	var large, all uint64
+	turns := 0
+	for i := 0; turns < 10; i++ {
+		if len(q.ring) < 3 {
+			queuedBatch(t, q, uint64(100+i), 4, 64<<10)
+		}
+		tk := q.take()
+		all += tk.length
+		if tk.remote == 1 {
+			large += tk.length
+			turns++
+		}
+	}
+	if share := float64(large) / float64(all); share < 1.0/agingEvery-0.01 || share > 1.0/agingEvery+0.01 {
+		t.Errorf("large batch got %.3f of the bytes, want %.3f", share, 1.0/agingEvery)
+	}
+}
+
+// With requests of one size, aging by bytes is one take in agingEvery.
+func TestQueueAgingEqualSizes(t *testing.T) {
+	q := newQueue(1<<20, 4)
+	queuedBatch(t, q, 1, 1000, 64<<10)
 	large := 0
 	const takes = 80 * agingEvery
 	for i := range takes {
@@ -85,7 +108,7 @@ func TestQueueAgingServesOldest(t *testing.T) {
 		}
 	}
 	if large != takes/agingEvery {
-		t.Errorf("large batch got %d of %d takes, want %d", large, takes, takes/agingEvery)
+		t.Errorf("oldest batch got %d of %d takes, want %d", large, takes, takes/agingEvery)
 	}
 }
 

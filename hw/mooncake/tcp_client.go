@@ -314,24 +314,28 @@ func bufferEnd(bufs []BufferDesc, addr uint64) (uint64, bool) {
 // remaining first; ties go to the older batch), so a small batch submitted
 // behind large ones waits only for the requests already on the lanes, and
 // of several large batches the one closest to done finishes first instead
-// of all finishing late together. Every agingEvery-th take serves the
-// oldest batch instead, so a stream of small batches slows a large one
-// down but never starves it.
+// of all finishing late together. Aging is by bytes: once the other
+// batches have had agingEvery-1 times the oldest batch's next request in
+// bytes since it was last served, the oldest is served, so a stream of
+// small batches slows a large one down to 1/agingEvery of the bytes but
+// never starves it.
 type queue struct {
 	depth int           // admission bound on queued requests
 	kick  chan struct{} // capacity Lanes: a token wakes one idle lane
 
 	mu     sync.Mutex
 	ring   []*batch      // batches with requests not yet taken, oldest first
-	takes  int           // takes so far, for aging
+	others uint64        // bytes taken from other batches since the oldest was served
 	queued int           // requests not yet taken, over all of ring
 	room   chan struct{} // closed (and replaced) when queued drops below depth
 }
 
-// agingEvery: one take in agingEvery goes to the oldest batch. 8 gives a
-// large batch at least 1/8 of the requests while small ones keep arriving
-// (about 60% of the bytes with 4 MiB against 256 KiB requests), and small
-// batches wait for at most one of its requests in eight.
+// agingEvery: the oldest batch gets at least 1/agingEvery of the bytes
+// taken while others are chosen before it. 8: a stream of small batches
+// keeps 7/8 of the link. Counted in requests (as before: one take in
+// eight), 4 MiB requests of a large batch against 256 KiB ones of small
+// batches took ~70% of the bytes, and 1-block reads arriving at a third
+// of a slow link's rate queued behind each other for 100-240 ms.
 const agingEvery = 8
 
 func newQueue(depth, lanes int) *queue {
@@ -397,17 +401,22 @@ func (q *queue) take() *task {
 	if len(q.ring) == 0 {
 		return nil
 	}
-	q.takes++
 	i := 0 // the oldest
-	if q.takes%agingEvery != 0 {
-		for k, b := range q.ring[1:] {
-			if b.untaken < q.ring[i].untaken {
-				i = k + 1
-			}
+	for k, b := range q.ring[1:] {
+		if b.untaken < q.ring[i].untaken {
+			i = k + 1
 		}
+	}
+	if old := q.ring[0]; i != 0 && q.others >= (agingEvery-1)*old.tasks[old.issued].length {
+		i = 0 // its aging turn
 	}
 	b := q.ring[i]
 	t := &b.tasks[b.issued]
+	if i == 0 {
+		q.others = 0
+	} else {
+		q.others += t.length
+	}
 	b.issued++
 	b.untaken -= t.length
 	if b.issued == len(b.tasks) {
