@@ -147,10 +147,21 @@ type Range struct{ Addr, Length uint64 }
 // grantTable holds reference-counted granted ranges. A request is covered
 // when the union of the granted ranges contains it, so a transfer may span
 // several adjacent grants (contiguous blocks grouped into one op).
+//
+// A request being served holds its range (hold, until release), and
+// revoke returns only once no hold overlapping a revoked range is left:
+// the caller frees the blocks after revoke, and the owner may refill them
+// at once, so an answer still streaming from them would carry the next
+// request's bytes and be reported done.
 type grantTable struct {
-	mu     sync.RWMutex
+	mu     sync.Mutex
 	counts map[Range]int
 	merged []Range // sorted, disjoint, non-adjacent union of counts' keys
+
+	holds   map[uint64]Range // requests being served, by hold id
+	seq     uint64           // last hold id
+	waiting int              // revokes waiting for holds to end
+	drained sync.Cond        // signalled when a hold ends while waiting > 0
 }
 
 func (g *grantTable) grant(rs []Range) error {
@@ -171,11 +182,14 @@ func (g *grantTable) grant(rs []Range) error {
 	return nil
 }
 
-// revoke drops one reference to each range; unknown ranges are reported
-// but do not stop the others from being revoked.
+// revoke drops one reference to each range and then waits until no
+// request being served overlaps any of them (they are refused from now
+// on); unknown ranges are reported but do not stop the others from being
+// revoked.
 func (g *grantTable) revoke(rs []Range) error {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	defer g.awaitLocked(rs)
 	var missing int
 	for _, r := range rs {
 		switch c := g.counts[r]; {
@@ -222,12 +236,72 @@ func (g *grantTable) rebuildLocked() {
 	g.merged = merged
 }
 
+// awaitLocked waits (g.mu held, released while waiting) until no hold
+// overlaps rs.
+func (g *grantTable) awaitLocked(rs []Range) {
+	if g.drained.L == nil {
+		g.drained.L = &g.mu
+	}
+	for g.overlapsHoldLocked(rs) {
+		g.waiting++
+		g.drained.Wait()
+		g.waiting--
+	}
+}
+
+func (g *grantTable) overlapsHoldLocked(rs []Range) bool {
+	for _, h := range g.holds {
+		for _, r := range rs {
+			if h.Addr < r.Addr+r.Length && r.Addr < h.Addr+h.Length {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// hold is covers, and on success records [addr, addr+length) as being
+// served until release(id) (id is never 0).
+func (g *grantTable) hold(addr, length uint64) (id uint64, ok bool) {
+	if checkRange(addr, length) != nil {
+		return 0, false
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if !g.coversLocked(addr, length) {
+		return 0, false
+	}
+	if g.holds == nil {
+		g.holds = map[uint64]Range{}
+	}
+	g.seq++
+	g.holds[g.seq] = Range{Addr: addr, Length: length}
+	return g.seq, true
+}
+
+// release ends hold id (0: none).
+func (g *grantTable) release(id uint64) {
+	if id == 0 {
+		return
+	}
+	g.mu.Lock()
+	delete(g.holds, id)
+	if g.waiting > 0 {
+		g.drained.Broadcast()
+	}
+	g.mu.Unlock()
+}
+
 func (g *grantTable) covers(addr, length uint64) bool {
 	if checkRange(addr, length) != nil {
 		return false
 	}
-	g.mu.RLock()
-	defer g.mu.RUnlock()
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.coversLocked(addr, length)
+}
+
+func (g *grantTable) coversLocked(addr, length uint64) bool {
 	i := sort.Search(len(g.merged), func(i int) bool { return g.merged[i].Addr > addr }) - 1
 	if i < 0 {
 		return false
@@ -237,7 +311,7 @@ func (g *grantTable) covers(addr, length uint64) bool {
 }
 
 func (g *grantTable) len() int {
-	g.mu.RLock()
-	defer g.mu.RUnlock()
+	g.mu.Lock()
+	defer g.mu.Unlock()
 	return len(g.counts)
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -144,5 +145,53 @@ func TestMetricsShared(t *testing.T) {
 	}
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(""), "kvflow_transfer_rejected_total"); err == nil {
 		t.Fatal("rejected counter not exported with zero-initialised reasons")
+	}
+}
+
+// TestGrantRevokeWaitsForServes: revoke returns only once no request being
+// served (a hold) overlaps what it revokes, and a revoked range takes no
+// new hold; holds elsewhere do not delay it.
+func TestGrantRevokeWaitsForServes(t *testing.T) {
+	var g grantTable
+	a, b := Range{Addr: 0x1000, Length: 0x1000}, Range{Addr: 0x8000, Length: 0x1000}
+	if err := g.grant([]Range{a, b}); err != nil {
+		t.Fatal(err)
+	}
+	ha, ok := g.hold(0x1800, 0x100)
+	if !ok {
+		t.Fatal("hold inside a grant refused")
+	}
+	hb, ok := g.hold(0x8000, 0x1000)
+	if !ok {
+		t.Fatal("hold of a whole grant refused")
+	}
+	revoked := make(chan error, 1)
+	go func() { revoked <- g.revoke([]Range{a}) }()
+	select {
+	case err := <-revoked:
+		t.Fatalf("revoke returned while a serve of its range was in progress (err %v)", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	if _, ok := g.hold(0x1000, 0x10); ok {
+		t.Error("a revoked range took a new hold")
+	}
+	g.release(hb) // elsewhere: revoke still waits
+	select {
+	case <-revoked:
+		t.Fatal("revoke returned after an unrelated hold ended")
+	case <-time.After(20 * time.Millisecond):
+	}
+	g.release(ha)
+	select {
+	case err := <-revoked:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("revoke still waiting after the hold ended")
+	}
+	g.release(0) // no hold: no-op
+	if len(g.holds) != 0 {
+		t.Errorf("%d holds left", len(g.holds))
 	}
 }

@@ -23,11 +23,12 @@ const (
 type pending struct {
 	bufs  net.Buffers
 	pins  []*region
+	holds []uint64 // grant holds (0: none), released once written
 	st    [coalesceOps][StatusSize]byte
 	bytes int
 }
 
-func (p *pending) add(r *region, mem []byte, v2 bool) {
+func (p *pending) add(r *region, hold uint64, mem []byte, v2 bool) {
 	if v2 {
 		st := &p.st[len(p.pins)]
 		PutStatus(st, StatusOK)
@@ -35,6 +36,7 @@ func (p *pending) add(r *region, mem []byte, v2 bool) {
 	}
 	p.bufs = append(p.bufs, mem)
 	p.pins = append(p.pins, r)
+	p.holds = append(p.holds, hold)
 	p.bytes += len(mem)
 }
 
@@ -52,6 +54,7 @@ func (e *TCPEngine) flushPending(c net.Conn, p *pending) error {
 	_, err := bufs.WriteTo(c)
 	for i, r := range p.pins {
 		r.unpin()
+		e.grants.release(p.holds[i])
 		p.pins[i] = nil
 	}
 	if err == nil {
@@ -59,7 +62,7 @@ func (e *TCPEngine) flushPending(c net.Conn, p *pending) error {
 		e.m.serveReadOps.Add(float64(len(p.pins)))
 	}
 	clear(p.bufs)
-	p.bufs, p.pins, p.bytes = p.bufs[:0], p.pins[:0], 0
+	p.bufs, p.pins, p.holds, p.bytes = p.bufs[:0], p.pins[:0], p.holds[:0], 0
 	return err
 }
 
@@ -81,8 +84,9 @@ func (e *TCPEngine) serveData(c net.Conn) {
 	br := bufio.NewReaderSize(c, serverBuf)
 	p := &pending{}
 	defer func() {
-		for _, r := range p.pins {
+		for i, r := range p.pins {
 			r.unpin()
+			e.grants.release(p.holds[i])
 		}
 	}()
 	var hb [HeaderSize]byte
@@ -128,9 +132,13 @@ func (e *TCPEngine) serveData(c net.Conn) {
 			r, err = e.regions.pin(h.Addr, h.Size)
 			reason = reasonUnregistered
 		}
-		if err == nil && e.cfg.ReadGrants && !e.grants.covers(h.Addr, h.Size) {
-			r.unpin()
-			err, reason = errNotGranted, reasonNotGranted
+		var hold uint64 // released once the answer is written
+		if err == nil && e.cfg.ReadGrants {
+			var ok bool
+			if hold, ok = e.grants.hold(h.Addr, h.Size); !ok {
+				r.unpin()
+				err, reason = errNotGranted, reasonNotGranted
+			}
 		}
 		if err != nil {
 			if ferr := e.flushPending(c, p); ferr != nil {
@@ -143,7 +151,7 @@ func (e *TCPEngine) serveData(c net.Conn) {
 			return
 		}
 		if h.Opcode == OpcodeRead && h.Size <= coalesceOp {
-			p.add(r, bytesAt(h.Addr, h.Size), h.V2)
+			p.add(r, hold, bytesAt(h.Addr, h.Size), h.V2)
 			if p.full() {
 				if err := e.flushPending(c, p); err != nil {
 					e.log.Warn("data: transfer failed", "peer", peer, "err", err)
@@ -154,11 +162,13 @@ func (e *TCPEngine) serveData(c net.Conn) {
 		}
 		if err := e.flushPending(c, p); err != nil {
 			r.unpin()
+			e.grants.release(hold)
 			e.log.Warn("data: transfer failed", "peer", peer, "err", err)
 			return
 		}
 		err = e.serveOne(c, br, h)
 		r.unpin()
+		e.grants.release(hold)
 		if err != nil {
 			e.log.Warn("data: transfer failed", "peer", peer, "opcode", h.Opcode, "addr", h.Addr, "size", h.Size, "err", err)
 			return
