@@ -203,19 +203,19 @@ func AppendDoneBatchMsg(dst []byte, reqIDs []string, msgID uint64) []byte {
 	if msgID == 0 {
 		return AppendDoneBatch(dst, reqIDs)
 	}
-	dst = appendArrayLen(dst, 3)
-	dst = appendBin(dst, MsgDoneBatch)
-	dst = appendArrayLen(dst, len(reqIDs))
-	for _, id := range reqIDs {
-		dst = appendStr(dst, id)
-	}
-	return appendUint(dst, msgID)
+	return appendUint(appendIDListOf(dst, 3, MsgDoneBatch, reqIDs), msgID)
 }
 
 // appendIDList appends msgpack [bin kind, [str id, ...]], the shape of
 // kvflow's list messages.
 func appendIDList(dst []byte, kind string, reqIDs []string) []byte {
-	dst = appendArrayLen(dst, 2)
+	return appendIDListOf(dst, 2, kind, reqIDs)
+}
+
+// appendIDListOf is appendIDList heading an array of n elements, the
+// caller appending the n-2 after the list.
+func appendIDListOf(dst []byte, n int, kind string, reqIDs []string) []byte {
+	dst = appendArrayLen(dst, n)
 	dst = appendBin(dst, kind)
 	dst = appendArrayLen(dst, len(reqIDs))
 	for _, id := range reqIDs {
