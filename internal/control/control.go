@@ -60,18 +60,58 @@ var LoadTimeout = 5 * time.Second
 // pipeline must not hold up the engine's finished polls, whose replies
 // carry the completion times (measured: the last loads of a 512-request
 // burst blocked 55-130 ms and every poll behind them waited as long),
-// and an abort must still see the loads that arrived before it. A
-// message that does not decode is answered at once (with its error).
+// and an abort must still see the loads that arrived before it. Only the
+// op is read here (peekOp), so a load is decoded once, by Dispatch; a
+// message whose op cannot be read is answered at once (with its error),
+// one whose op reads but whose rest is malformed gets its error from the
+// background goroutine, in order.
 func background(payload []byte) bool {
-	req, err := Decode(payload)
-	if err != nil {
-		return false
-	}
-	switch req.Op {
+	switch peekOp(payload) {
 	case "load", "send", "abort":
 		return true
 	}
 	return false
+}
+
+// peekOp returns the string value of the top-level "op" key of a msgpack
+// map (the last one, as Decode reads a repeated key) without decoding the
+// other values; "" if b is not such a map.
+func peekOp(b []byte) string {
+	if len(b) == 0 || !isMap(b[0]) {
+		return ""
+	}
+	d := msgpack.NewDecoder(bytes.NewReader(b))
+	n, err := d.DecodeMapLen()
+	if err != nil {
+		return ""
+	}
+	op := ""
+	for range n {
+		c, err := d.PeekCode()
+		if err != nil {
+			return ""
+		}
+		if !msgpcode.IsString(c) {
+			if scanValue(d, 1) != nil || scanValue(d, 1) != nil { // key, value
+				return ""
+			}
+			continue
+		}
+		k, err := d.DecodeString()
+		if err != nil {
+			return ""
+		}
+		if k != "op" {
+			if scanValue(d, 1) != nil { // bounded: Skip recurses without limit
+				return ""
+			}
+			continue
+		}
+		if op, err = d.DecodeString(); err != nil {
+			return ""
+		}
+	}
+	return op
 }
 
 // MaxRequests bounds the requests of one message.

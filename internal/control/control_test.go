@@ -453,3 +453,35 @@ func TestReplyRoundTrip(t *testing.T) {
 		}
 	}
 }
+
+// TestPeekOp: the router's background choice reads only the top-level op.
+func TestPeekOp(t *testing.T) {
+	raw := func(b ...byte) []byte { return b }
+	deep := append(raw(0x82, 0xa1, 'x'), bytes.Repeat([]byte{0x91}, 1<<20)...) // nested past maxDepth
+	deep = append(deep, 0xc0, 0xa2, 'o', 'p', 0xa4, 'l', 'o', 'a', 'd')
+	cases := []struct {
+		name string
+		msg  []byte
+		want string
+	}{
+		{"load", pack(t, loadMsg()), "load"},
+		{"finished", pack(t, m{"op": "finished"}), "finished"},
+		{"op after the requests", pack(t, []any{}), ""},
+		{"nested op is not the op", pack(t, m{"x": m{"op": "load"}}), ""},
+		{"op not a string", pack(t, m{"op": 3}), ""},
+		{"not a map", pack(t, []any{"op", "load"}), ""},
+		{"empty", nil, ""},
+		{"truncated after the key", raw(0x81, 0xa2, 'o', 'p'), ""},
+		{"non-string key skipped", raw(0x82, 0x01, 0x02, 0xa2, 'o', 'p', 0xa4, 's', 'e', 'n', 'd'), "send"},
+		{"repeated op: the last, as Decode", raw(0x82, 0xa2, 'o', 'p', 0xa4, 's', 'e', 'n', 'd', 0xa2, 'o', 'p', 0xa5, 'a', 'b', 'o', 'r', 't'), "abort"},
+		{"huge map length", raw(0xdf, 0xff, 0xff, 0xff, 0xff), ""},
+		{"deep value before the op: not read", deep, ""},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			if got := peekOp(c.msg); got != c.want {
+				t.Errorf("peekOp = %q, want %q", got, c.want)
+			}
+		})
+	}
+}

@@ -14,7 +14,8 @@ import (
 
 // FuzzDecode: Decode never panics; it accepts or wraps ErrBadRequest; an
 // accepted message re-encoded the way a client would decodes to the same
-// Request; Dispatch of any input yields a reply that decodes.
+// Request, whose op peekOp reads alike; Dispatch of any input yields a
+// reply that decodes.
 func FuzzDecode(f *testing.F) {
 	seeds := []any{
 		loadMsg(),
@@ -41,6 +42,9 @@ func FuzzDecode(f *testing.F) {
 				t.Fatalf("error %v does not wrap ErrBadRequest", err)
 			}
 		} else {
+			if op := peekOp(b); op != r.Op {
+				t.Fatalf("peekOp %q, Decode's op %q", op, r.Op)
+			}
 			again, err := Decode(reencode(t, r))
 			if err != nil {
 				t.Fatalf("re-encoded %+v rejected: %v", r, err)
