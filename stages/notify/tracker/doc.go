@@ -9,14 +9,13 @@
 // expected DONE count, otherwise AddNotTransfer. The side channel calls
 // Done for every DONE_RECVING it receives. Once per engine step the worker
 // calls Finished and hands the ids to the engine, which frees their blocks.
-// The transfer engine asks IsHeld / Held before serving a read, so it
-// serves only blocks of requests still awaiting send, and refuses reads of
-// a request once it is freed (DONE, abort, force-free), even before the
-// engine has been told.
+// IsHeld / Held let a caller check a request's state between steps; read
+// grants (the prefill worker's, when enabled) are revoked when Finished
+// reports the request, not at the moment the tracker frees it.
 //
 // # API
 //
-//	New(Options{AbortTimeout, LeaseTTL, MaxRecords, EarlyDoneQuorum}) *Tracker
+//	New(Options{AbortTimeout, LeaseTTL, MaxRecords, EarlyDoneQuorum, EarlyQuorum}) *Tracker
 //	(Options).Validate() error
 //	(*Tracker).AddNotTransfer(id string)
 //	(*Tracker).AddDelayed(id string, start time.Time, expectedDones int, blockIDs []int) (gen uint64)
@@ -88,8 +87,11 @@
 //     frees on the first. Early DONEs count toward it. Because the seed
 //     reports an early DONE at once, a request whose first DONE arrives
 //     before its AddDelayed is freed by it unless EarlyDoneQuorum is raised
-//     to the deployment's DONE count (Stats.EarlyShort counts the requests
-//     freed that way with fewer DONEs than AddDelayed later expected).
+//     to the deployment's DONE count, or EarlyQuorum gives each request's
+//     (the prefill worker passes plan.PrefillExpectedDones for a request
+//     large enough that every decode rank reads it). Stats.EarlyShort
+//     counts the requests freed with fewer DONEs than AddDelayed later
+//     expected.
 //
 // Limitation: a request evicted under rule 3 is new to the tracker; an
 // operation on it after that (a DONE arriving after MaxRecords later

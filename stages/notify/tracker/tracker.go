@@ -47,6 +47,13 @@ type Options struct {
 	// where every request expects N DONEs (§5b.5) sets N so that early
 	// DONEs cannot free a request before all of them arrived.
 	EarlyDoneQuorum int
+	// EarlyQuorum, when set, gives the quorum per request instead (values
+	// below 1 read as 1): a prefill worker that knows its topology passes
+	// the most DONEs request id can expect, so an early DONE frees a
+	// request only once every decode rank that reads it has sent its own,
+	// whatever the request's size. Called with the tracker's lock held: it
+	// must not call the Tracker.
+	EarlyQuorum func(id string) int
 }
 
 // Validate reports every invalid field (errors.Join).
@@ -370,7 +377,7 @@ func (t *Tracker) Done(id string, now time.Time) (DoneResult, error) {
 	case e.st == stEarly:
 		t.st.EarlyDones++
 		e.received++
-		if !e.reported && e.received >= t.opts.EarlyDoneQuorum {
+		if !e.reported && e.received >= t.quorum(e.id) {
 			e.reported = true
 			t.queue(e.id, ReasonDone)
 		}
@@ -564,11 +571,19 @@ func (t *Tracker) queue(id string, r Reason) {
 func (t *Tracker) early(e *entry, now time.Time) {
 	e.received = 1
 	t.stampAt(e, now)
-	if t.opts.EarlyDoneQuorum <= 1 {
+	if t.quorum(e.id) <= 1 {
 		e.reported = true
 		t.queue(e.id, ReasonDone)
 	}
 	t.evict()
+}
+
+// quorum is the number of early DONEs that free request id.
+func (t *Tracker) quorum(id string) int {
+	if t.opts.EarlyQuorum != nil {
+		return max(t.opts.EarlyQuorum(id), 1)
+	}
+	return t.opts.EarlyDoneQuorum
 }
 
 // stampAt appends e to t.mem. Stamps are clamped to be non-decreasing (mem

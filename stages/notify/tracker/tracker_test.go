@@ -128,6 +128,17 @@ func TestScripts(t *testing.T) {
 			{kind: "delay", id: "c", t: 3, n: 1, gen: false}, // satisfied by the early DONE
 			{kind: "fin", t: 3, freed: []Freed{fr("c", ReasonDone)}},
 		}},
+		{"early quorum per request (EarlyQuorum overrides EarlyDoneQuorum)", Options{AbortTimeout: 10 * time.Second, EarlyDoneQuorum: 5,
+			EarlyQuorum: func(id string) int { return map[string]int{"two": 2, "zero": 0}[id] + map[string]int{"one": 1}[id] }}, []op{
+			{kind: "done", id: "two", status: DoneEarly},
+			{kind: "fin", t: 1},
+			{kind: "done", id: "two", t: 1, status: DoneEarly}, // second of two: reported
+			{kind: "fin", t: 1, freed: []Freed{fr("two", ReasonDone)}},
+			{kind: "done", id: "one", t: 1, status: DoneEarly},
+			{kind: "fin", t: 1, freed: []Freed{fr("one", ReasonDone)}},
+			{kind: "done", id: "zero", t: 1, status: DoneEarly}, // below 1 reads as 1
+			{kind: "fin", t: 1, freed: []Freed{fr("zero", ReasonDone)}},
+		}},
 		{"§5b.9 done then re-add", Options{AbortTimeout: 3 * time.Second}, []op{
 			{kind: "delay", id: "p", t: 0, n: 1, gen: true},
 			{kind: "done", id: "p", status: DoneFreed},
