@@ -91,7 +91,8 @@ func New(o Options) (*Worker, error) {
 		log = slog.New(slog.DiscardHandler)
 	}
 	w := &Worker{opts: o, log: log.With("component", "prefill"), now: o.Now, blocks: map[string][]int{},
-		tr: tracker.New(tracker.Options{AbortTimeout: o.AbortTimeout, LeaseTTL: o.LeaseTTL, MaxRecords: o.MaxRecords})}
+		tr: tracker.New(tracker.Options{AbortTimeout: o.AbortTimeout, LeaseTTL: o.LeaseTTL, MaxRecords: o.MaxRecords,
+			EarlyQuorum: earlyQuorum(o.Topology, o.Self)})}
 	w.sends = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_prefill_requests_total",
 		Help: "Requests handed over for sending, by decision (delayed: waits for DONE; immediate: no decode rank reads this worker).",
@@ -189,7 +190,13 @@ func (w *Worker) send(r SendRequest) error {
 			w.mu.Unlock()
 		}
 	}
-	w.tr.AddDelayed(r.RequestID, start, expected, r.BlockIDs)
+	if w.tr.AddDelayed(r.RequestID, start, expected, r.BlockIDs) == 0 {
+		// Not held: its DONEs came first, or it already finished (a
+		// repeated send). Nothing will read these blocks for it, and a
+		// report may already have been made, so no later Finished would
+		// end the grant: end it now.
+		w.revoke(r.RequestID)
+	}
 	w.sends.WithLabelValues("delayed").Inc()
 	w.log.Debug("request held for decode", "request_id", r.RequestID, "expected_dones", expected, "blocks", len(r.BlockIDs))
 	return nil
@@ -278,4 +285,23 @@ func (w *Worker) revoke(id string) {
 func (w *Worker) Status() map[string]any {
 	return map[string]any{"held": w.tr.Len(), "engine_id": w.opts.Metadata.EngineID,
 		"num_blocks": w.opts.Metadata.NumBlocks, "te_rpc_port": w.opts.Metadata.TERPCPort}
+}
+
+// earlyQuorum is how many early DONEs (DONEs before the engine's send)
+// free a request on prefill rank self: the DONEs of a request large enough
+// that every decode rank reading self does so (§5b.5), so that the first
+// decode rank done cannot free blocks the others still read. A smaller
+// request expects fewer; its early DONEs then wait for its send, which
+// finds them sufficient and frees it at once.
+func earlyQuorum(topo plan.Topology, self plan.Rank) func(id string) int {
+	// Split mode has at most (prefill PCP × TP) entries; with that many
+	// blocks none is empty. Other modes do not depend on the count.
+	n := max(topo.Prefill.PCP, 1) * max(topo.Prefill.TP, 1)
+	return func(id string) int {
+		q, err := plan.PrefillExpectedDones(topo, self, id, n)
+		if err != nil {
+			return 1 // the seed's rule; send reports the error
+		}
+		return q
+	}
 }
