@@ -53,6 +53,13 @@ type TCPConfig struct {
 	// Revoked); other requests are refused with the v2 reject status and
 	// counted. Off by default for Mooncake compatibility.
 	ReadGrants bool
+	// AcceptWrites serves WRITE requests: a peer writing into this
+	// engine's registered memory. Off by default: kvflow only reads, and a
+	// target that takes writes lets any peer that reaches its data port
+	// overwrite its KV cache. Refused writes get the v2 reject status and
+	// are counted (reason write_refused). Mooncake's engines accept them;
+	// turn it on to serve a peer that writes (kvflow bench te does).
+	AcceptWrites bool
 	// ProtoVersion is the tcp_proto_version advertised to peers: 2 (status
 	// frames). 1 exists to exercise legacy framing in tests.
 	ProtoVersion int
@@ -102,7 +109,9 @@ func DefaultTCPConfig() TCPConfig {
 		// dead or wedged peer, not a slow one.
 		IOTimeout: 10 * time.Second,
 		// Mooncake compatibility: serve everything registered.
-		ReadGrants:   false,
+		ReadGrants: false,
+		// kvflow never writes into a peer: refuse what it never needs.
+		AcceptWrites: false,
 		ProtoVersion: ProtoVersion,
 	}
 }
@@ -167,4 +176,5 @@ func (c *TCPConfig) RegisterFlags(fs *flag.FlagSet, prefix string) {
 	fs.DurationVar(&c.HandshakeTimeout, prefix+"handshake-timeout", c.HandshakeTimeout, "handshake timeout")
 	fs.DurationVar(&c.IOTimeout, prefix+"io-timeout", c.IOTimeout, "no-progress timeout of a transfer")
 	fs.BoolVar(&c.ReadGrants, prefix+"read-grants", c.ReadGrants, "serve only granted ranges")
+	fs.BoolVar(&c.AcceptWrites, prefix+"accept-writes", c.AcceptWrites, "serve peers' WRITE requests into registered memory")
 }

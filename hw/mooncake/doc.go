@@ -116,7 +116,8 @@
 //
 // The engine must never read or write memory outside a registered region,
 // for a peer or for the local side of a batch; never serve a range that
-// straddles regions or (with grants on) is not granted; never allocate a
+// straddles regions or (with grants on) is not granted; never take a
+// peer's write unless AcceptWrites is on; never allocate a
 // frame larger than the cap before validating its length; never decode
 // addresses through float64; never spin a core waiting; never leave a
 // goroutine running after Close; never return from a batch while a lane

@@ -27,6 +27,7 @@ func testConfig() TCPConfig {
 	c.ConnectTimeout = time.Second
 	c.HandshakeTimeout = 2 * time.Second
 	c.IOTimeout = 2 * time.Second
+	c.AcceptWrites = true // the write paths are tested too; TestWritesRefusedByDefault checks the default
 	return c
 }
 

@@ -20,6 +20,7 @@ const (
 	reasonNotGranted   = "not_granted"
 	reasonBadOpcode    = "bad_opcode"
 	reasonZeroLength   = "zero_length"
+	reasonWriteRefused = "write_refused"
 )
 
 type metrics struct {

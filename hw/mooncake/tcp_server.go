@@ -128,6 +128,9 @@ func (e *TCPEngine) serveData(c net.Conn) {
 		if errors.Is(err, ErrZeroLength) {
 			reason = reasonZeroLength
 		}
+		if err == nil && h.Opcode == OpcodeWrite && !e.cfg.AcceptWrites {
+			err, reason = errWritesOff, reasonWriteRefused
+		}
 		if err == nil {
 			r, err = e.regions.pin(h.Addr, h.Size)
 			reason = reasonUnregistered
@@ -178,6 +181,9 @@ func (e *TCPEngine) serveData(c net.Conn) {
 
 // errNotGranted marks a refusal for want of a read grant (no error to log).
 var errNotGranted = errors.New("not granted")
+
+// errWritesOff is a WRITE refused by a target that does not accept writes.
+var errWritesOff = errors.New("writes are not accepted (TCPConfig.AcceptWrites off)")
 
 // serveOne moves one validated request's payload straight between the
 // socket (a WRITE's payload first from what br already buffered) and

@@ -224,6 +224,38 @@ func TestReadGrants(t *testing.T) {
 	}
 }
 
+// TestWritesRefusedByDefault: a target with the default configuration
+// refuses a peer's WRITE (reject status, counted, its memory untouched)
+// and keeps serving reads on a new connection.
+func TestWritesRefusedByDefault(t *testing.T) {
+	cfg := testConfig()
+	cfg.AcceptWrites = DefaultTCPConfig().AcceptWrites
+	srv, _ := newEngine(t, cfg)
+	cli, _ := newEngine(t, testConfig())
+	rem := register(t, srv, 1<<16, 1)
+	loc := register(t, cli, 1<<16, 2)
+	orig := bytes.Clone(rem)
+	refused := func() float64 { return testutil.ToFloat64(srv.m.rejected.WithLabelValues(reasonWriteRefused)) }
+	for _, size := range []uint64{4096, 1 << 16} { // within and past one request's payload drain
+		err := cli.BatchWrite(context.Background(), srv.SessionID(), []Op{{AddrOf(loc), AddrOf(rem), size}})
+		if !errors.Is(err, ErrRejected) {
+			t.Fatalf("write of %d bytes: %v, want ErrRejected", size, err)
+		}
+	}
+	if refused() != 2 {
+		t.Fatalf("write_refused = %v, want 2", refused())
+	}
+	if !bytes.Equal(rem, orig) {
+		t.Fatal("a refused write changed the target's memory")
+	}
+	if err := cli.BatchRead(context.Background(), srv.SessionID(), []Op{{AddrOf(loc), AddrOf(rem), 1 << 16}}); err != nil {
+		t.Fatalf("read after refused writes: %v", err)
+	}
+	if !bytes.Equal(loc, rem) {
+		t.Fatal("read bytes differ")
+	}
+}
+
 // TestLocalValidation: bad local input fails before any I/O, with the
 // reason on the op and the rest marked not attempted.
 func TestLocalValidation(t *testing.T) {

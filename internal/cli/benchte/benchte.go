@@ -99,6 +99,9 @@ func engineConfig(o *options, target bool) mooncake.TCPConfig {
 		c.Host, c.AdvertiseHost = "", host
 	}
 	c.RPCPort, c.Lanes, c.ChunkSize = port, o.lanes, o.chunkSize
+	// The target serves a scratch buffer, not a cache, to initiators that
+	// may run --operation write (as Mooncake's transfer_engine_bench).
+	c.AcceptWrites = true
 	return c
 }
 
