@@ -19,9 +19,11 @@
 // kvflow additions, all optional so the plain protocol still works:
 //   - metadata field "kvflow" (a map: {"boot_epoch": uint, "lease_ttl_ms":
 //     uint, "batch_done": true}, each omitted when 0/false) after the seed's
-//     four, omitted when empty,
-//     so kvflow's bytes equal the seed's; msgspec ignores unknown fields, so
-//     seed peers accept it;
+//     four, omitted when empty (then kvflow's bytes equal the seed's, as
+//     the seed's vectors check). A kvflow prefill worker always sets
+//     boot_epoch, so its metadata carries the field; msgspec ignores
+//     unknown fields, so seed peers accept it (tested with Python msgpack
+//     and the seed's decoding rules, not with msgspec itself);
 //   - RENEW [bin "renew_msg", [str req_id, ...]] → raw "ACK": lease
 //     renewal, sent only to a peer whose metadata carries lease_ttl_ms (so
 //     a seed ROUTER, which would drop it, never receives it), e.g.
