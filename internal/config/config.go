@@ -204,7 +204,10 @@ type StageSizes struct {
 	Notify    int `json:"notify"`
 }
 
-// Handshake configures GET_META.
+// Handshake configures GET_META (decode). Timeout, Attempts and
+// RetryBackoff apply to GET_META alone (the decode side's handshake client);
+// DONE and RENEW take notify's. Attempts × (Timeout + RetryBackoff) also
+// bounds a job's whole handshake stage.
 type Handshake struct {
 	Timeout      Duration `json:"timeout"`       // one attempt's wait for the reply
 	Attempts     int      `json:"attempts"`      // tries per call (1 = no retry)
@@ -234,7 +237,13 @@ type Read struct {
 	FusedStitch bool `json:"fused_stitch"`
 }
 
-// Notify configures DONE_RECVING.
+// Notify configures the decode side's acknowledged messages to prefill:
+// DONE_RECVING, plain or batched (done_batch_msg), and RENEW (leases). They
+// are small idempotent messages answered "ACK", so they share a client of
+// their own whose Timeout, Attempts and RetryBackoff are these (handshake.*
+// applies to GET_META alone). Attempts × (Timeout + RetryBackoff) also
+// bounds a job's whole notify stage; a RENEW call is further bounded by
+// tracker.lease_ttl/3.
 type Notify struct {
 	Timeout      Duration `json:"timeout"`       // one attempt's wait for the ACK
 	Attempts     int      `json:"attempts"`      // tries per DONE (1 = no retry)

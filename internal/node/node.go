@@ -33,12 +33,20 @@ type Deps struct {
 
 // Node is a running worker.
 type Node struct {
-	Config  config.Config
-	Shape   npu.Shape
-	Device  *npu.Host
-	Engine  *mooncake.TCPEngine
-	ZMQ     *sidechannel.Context
-	Client  *sidechannel.Client
+	Config config.Config
+	Shape  npu.Shape
+	Device *npu.Host
+	Engine *mooncake.TCPEngine
+	ZMQ    *sidechannel.Context
+	// Client (decode) makes GET_META calls, with handshake.timeout,
+	// handshake.attempts and handshake.retry_backoff.
+	Client *sidechannel.Client
+	// Notify (decode) makes DONE_RECVING, batched DONE and RENEW calls,
+	// with notify.timeout, notify.attempts and notify.retry_backoff: a
+	// client of its own (own socket pool), so each call gets its own
+	// section's retries and a burst of one kind never waits for sockets
+	// held by the other.
+	Notify  *sidechannel.Client
 	Server  *sidechannel.Server
 	Decode  *decode.Worker
 	Prefill *prefill.Worker
@@ -145,26 +153,25 @@ func Start(cfg config.Config, deps Deps) (_ *Node, err error) {
 
 func (n *Node) startDecode(log *slog.Logger, layout npu.Layout) error {
 	cfg := n.Config
-	sc := sidechannel.DefaultClientOptions()
-	sc.AttemptTimeout = cfg.Handshake.Timeout.D()
-	sc.Attempts = cfg.Handshake.Attempts
-	sc.RetryBackoff = cfg.Handshake.RetryBackoff.D()
-	sc.Curve = n.Curve
-	c, err := sidechannel.NewClient(n.ZMQ, sc)
+	hc, err := n.sideClient("handshake", cfg.Handshake.Timeout.D(), cfg.Handshake.Attempts, cfg.Handshake.RetryBackoff.D())
 	if err != nil {
-		return fmt.Errorf("node: side-channel client: %w", err)
+		return err
 	}
-	n.Client = c
-	n.closers = append(n.closers, func(context.Context) error { return c.Close() })
+	n.Client = hc
+	nc, err := n.sideClient("notify", cfg.Notify.Timeout.D(), cfg.Notify.Attempts, cfg.Notify.RetryBackoff.D())
+	if err != nil {
+		return err
+	}
+	n.Notify = nc
 	w, err := decode.New(decode.Options{
 		Topology:           cfg.Topology(),
 		Self:               cfg.Self(),
 		LocalEngineID:      cfg.KVTransfer.EngineID,
-		Fetcher:            fetcher{c},
+		Fetcher:            fetcher{hc},
 		Transfer:           Transfer(n.Engine),
 		Kernel:             n.Device,
-		Sender:             c,
-		Renewer:            c,
+		Sender:             nc,
+		Renewer:            nc,
 		Layout:             CacheLayout(layout),
 		Local:              plan.Caches{Base: n.Device.BaseAddrs(), NumBlocks: n.Shape.NumBlocks},
 		Stages:             stageSizes(cfg.Pipeline),
@@ -185,6 +192,23 @@ func (n *Node) startDecode(log *slog.Logger, layout npu.Layout) error {
 	n.Decode = w
 	n.closers = append(n.closers, w.Close)
 	return nil
+}
+
+// sideClient opens a side-channel client with one config section's
+// per-attempt timeout, attempts and backoff (what is the section's name,
+// for errors), closed with the node.
+func (n *Node) sideClient(what string, timeout time.Duration, attempts int, backoff time.Duration) (*sidechannel.Client, error) {
+	sc := sidechannel.DefaultClientOptions()
+	sc.AttemptTimeout = timeout
+	sc.Attempts = attempts
+	sc.RetryBackoff = backoff
+	sc.Curve = n.Curve
+	c, err := sidechannel.NewClient(n.ZMQ, sc)
+	if err != nil {
+		return nil, fmt.Errorf("node: side-channel client (%s): %w", what, err)
+	}
+	n.closers = append(n.closers, func(context.Context) error { return c.Close() })
+	return c, nil
 }
 
 func (n *Node) startPrefill(log *slog.Logger) error {
