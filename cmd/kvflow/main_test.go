@@ -55,6 +55,7 @@ func TestUsage(t *testing.T) {
 		{[]string{"serve", "--tp-rank", "x"}, exitUsage, "tp-rank"},
 		{[]string{"serve", "--config", "/nonexistent.json"}, exitUsage, "nonexistent"},
 		{[]string{"serve", "extra-arg", "--print-config"}, exitUsage, "unexpected arguments"},
+		{[]string{"serve", "--te-backend", "mooncake"}, exitUsage, "node.te_backend: \"mooncake\" is not supported yet: the node does not drive the cgo binding"},
 		{[]string{"probe"}, exitUsage, "--remote"},
 		{[]string{"bench"}, exitUsage, "subcommand"},
 		{[]string{"bench", "xx"}, exitUsage, "unknown subcommand"},

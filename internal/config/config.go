@@ -157,8 +157,13 @@ type Cache struct {
 
 // Transfer-engine backends.
 const (
-	BackendTCP      = "tcp"      // hw/mooncake's pure-Go TCP engine
-	BackendMooncake = "mooncake" // the cgo binding (build tag mooncake)
+	// BackendTCP is hw/mooncake's pure-Go engine, which speaks Mooncake
+	// TransferEngine's TCP transport: the one backend a node runs.
+	BackendTCP = "tcp"
+	// BackendMooncake names the cgo binding (hw/mooncake.CgoEngine, build
+	// tag mooncake). Reserved: Validate rejects it (ErrBackendNotWired)
+	// until the node drives the binding.
+	BackendMooncake = "mooncake"
 )
 
 // Node holds this worker's listen addresses.
@@ -167,7 +172,8 @@ type Node struct {
 	// the worker's IP, get_ip()); prefill peers are dialed at the host the
 	// scheduler advertises, so in a deployment set the worker's IP.
 	SideChannelHost string `json:"side_channel_host"`
-	// TEBackend is the transfer engine: tcp or mooncake.
+	// TEBackend is the transfer engine: tcp. mooncake (the cgo binding) is
+	// rejected: the node does not drive it yet, whatever the build tags.
 	TEBackend string `json:"te_backend"`
 	// TEHost is the transfer engine's listen host; "" means SideChannelHost
 	// (the seed starts its engine on the same IP).

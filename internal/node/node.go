@@ -65,7 +65,8 @@ func Start(cfg config.Config, deps Deps) (_ *Node, err error) {
 		return nil, fmt.Errorf("node: config: %w", err)
 	}
 	if cfg.Node.TEBackend != "" && cfg.Node.TEBackend != config.BackendTCP {
-		return nil, fmt.Errorf("node: node.te_backend %q: this build has only the tcp engine (build with -tags mooncake for the Mooncake binding)", cfg.Node.TEBackend)
+		// Validate rejects it too; the node runs only the tcp engine.
+		return nil, fmt.Errorf("node: node.te_backend %q: %w", cfg.Node.TEBackend, config.ErrBackendNotWired)
 	}
 	if deps.Logger == nil {
 		deps.Logger = slog.New(slog.DiscardHandler)
