@@ -5,6 +5,7 @@
 //	kvflow demo     prefill and decode workers on loopback, every byte verified
 //	kvflow plan     validate a topology and print a request's plan
 //	kvflow probe    fetch a side channel's metadata, optionally send a DONE
+//	                (--auth curve and serve's auth-*-key-file flags for CURVE)
 //	kvflow bench    te (transfer engine, transfer_engine_bench flags), e2e
 //	kvflow keygen   a CURVE key pair for auth.mode curve
 //	kvflow version
