@@ -232,7 +232,9 @@ type Read struct {
 	// requests this worker holds for decode, so a read after a force-free
 	// or an abort is refused rather than served from reused memory. Off by
 	// default: Mooncake peers and seed schedulers (whose send carries no
-	// block ids) expect every registered byte to be readable.
+	// block ids) expect every registered byte to be readable. A decode
+	// worker serves no read whatever this says (nothing pulls from it),
+	// and no engine takes peers' writes.
 	Grants bool `json:"grants"`
 	// FusedStitch (decode) reads each prefill rank's slice of a block
 	// straight into its place in the stitched block, row by row, when one

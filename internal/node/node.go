@@ -114,7 +114,10 @@ func Start(cfg config.Config, deps Deps) (_ *Node, err error) {
 	tc := mooncake.DefaultTCPConfig()
 	tc.Host = cfg.TEHost()
 	tc.RPCPort = cfg.Node.TEPort
-	tc.ReadGrants = cfg.Read.Grants && cfg.Role() == config.Prefill
+	// A decode worker's cache is read by no one (kvflow and the seed only
+	// pull from prefill): it serves no read at all (grants on, none ever
+	// given), so a peer that reaches its data port cannot read it.
+	tc.ReadGrants = (cfg.Read.Grants && cfg.Role() == config.Prefill) || cfg.Role() == config.Decode
 	n.Engine, err = mooncake.NewTCPEngine(tc, deps.Registerer, log)
 	if err != nil {
 		return nil, fmt.Errorf("node: transfer engine: %w", err)

@@ -2,6 +2,7 @@ package node
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"testing"
@@ -9,6 +10,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvflow/kvflow/hw/mooncake"
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/prefill"
@@ -310,6 +312,50 @@ func TestEndToEnd(t *testing.T) {
 				}
 			} else if plainSent != 0 || plainGot != 0 || sent == 0 || got != sent || msgs == 0 || msgs > sent {
 				t.Errorf("batched DONEs: decode sent %v (and %v plain), prefill counted %v (%v plain), in %v messages", sent, plainSent, got, plainGot, msgs)
+			}
+		})
+	}
+}
+
+// TestEnginesServeOnlyWhatTheyMust: over real sockets, a decode worker's
+// transfer engine refuses every read and write of its cache, and a prefill
+// worker's refuses writes (reads it serves, as Mooncake peers expect).
+func TestEnginesServeOnlyWhatTheyMust(t *testing.T) {
+	c := startCluster(t, topo{name: "serve", prefillTP: 1, decodeTP: 1, model: gqa(2)})
+	cfg := mooncake.DefaultTCPConfig()
+	cfg.IOTimeout = 2 * time.Second
+	cli, err := mooncake.NewTCPEngine(cfg, prometheus.NewRegistry(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cli.Close()
+	buf := make([]byte, 4096)
+	if err := cli.Register(mooncake.AddrOf(buf), uint64(len(buf)), ""); err != nil {
+		t.Fatal(err)
+	}
+	remote := func(n *Node) uint64 { return n.Device.Regions()[0].Addr }
+	cases := []struct {
+		name   string
+		n      *Node
+		write  bool
+		refuse bool
+	}{
+		{"decode read", c.decode[0], false, true},
+		{"decode write", c.decode[0], true, true},
+		{"prefill read", c.prefill[0], false, false},
+		{"prefill write", c.prefill[0], true, true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			ops := []mooncake.Op{{Local: mooncake.AddrOf(buf), Remote: remote(tc.n), Length: uint64(len(buf))}}
+			var err error
+			if tc.write {
+				err = cli.BatchWrite(context.Background(), tc.n.Engine.SessionID(), ops)
+			} else {
+				err = cli.BatchRead(context.Background(), tc.n.Engine.SessionID(), ops)
+			}
+			if got := errors.Is(err, mooncake.ErrRejected); got != tc.refuse {
+				t.Fatalf("err = %v; refused %v, want %v", err, got, tc.refuse)
 			}
 		})
 	}
