@@ -167,6 +167,14 @@ func (c *Cache) Get(ctx context.Context, k Key) (job.Meta, error) {
 	}
 }
 
+// Cached returns k's metadata if it is cached and valid, without fetching
+// and without counting a lookup (a peek, for callers that only act on
+// what is already known: the decode worker leases a request at admission
+// with it).
+func (c *Cache) Cached(k Key) (job.Meta, bool) {
+	return c.lookup(k)
+}
+
 func (c *Cache) check(k Key, m job.Meta) error {
 	switch {
 	case c.opts.LocalEngineID != "" && m.EngineID == c.opts.LocalEngineID:
