@@ -67,8 +67,10 @@ type Options struct {
 	Kernel   stitch.Kernel
 	Sender   notify.Sender
 	// Renewer, if set, renews leases at the prefill ranks that advertise
-	// them (job.Meta.LeaseTTL > 0), for every request from its handshake to
-	// the end of its notify. Nil: never renew (the seed's behaviour).
+	// them (job.Meta.LeaseTTL > 0), for every request from its admission
+	// (Load) until it ends: at once where the ranks' metadata is cached,
+	// else once it is fetched (a fetch started at admission), at the
+	// latest from its handshake. Nil: never renew (the seed's behaviour).
 	Renewer Renewer
 	Layout  plan.CacheLayout
 	Local   plan.Caches
@@ -139,7 +141,14 @@ type Worker struct {
 	hs   *handshake.Cache
 	rn   *renewer // nil without Options.Renewer
 
+	// Admission's metadata fetches (prefetch): bgCtx ends at Close, which
+	// waits for them.
+	bgCtx    context.Context
+	bgCancel context.CancelFunc
+	bg       sync.WaitGroup
+
 	mu       sync.Mutex
+	closing  bool // Close has drained the pipeline: no more prefetches
 	inflight map[string]*job.Job
 	done     []string
 	failed   []Failure
@@ -251,6 +260,7 @@ func New(o Options) (*Worker, error) {
 		return nil, err
 	}
 	w.p = p
+	w.bgCtx, w.bgCancel = context.WithCancel(context.Background())
 	return w, nil
 }
 
@@ -286,7 +296,15 @@ func (w *Worker) load(ctx context.Context, r LoadRequest) error {
 	}
 	w.inflight[r.RequestID] = j
 	w.mu.Unlock()
+	if w.rn != nil {
+		// Leased from now: it may wait in a queue longer than the
+		// prefill's abort timeout before its handshake.
+		w.leaseAtAdmission(j)
+	}
 	if err := w.p.Submit(ctx, j); err != nil {
+		if w.rn != nil {
+			w.rn.remove(r.RequestID) // never submitted: no sink will
+		}
 		w.mu.Lock()
 		delete(w.inflight, r.RequestID)
 		w.mu.Unlock()
@@ -372,6 +390,11 @@ func (w *Worker) Status() Status {
 // while requests drain, and renewals stop once the pipeline is closed.
 func (w *Worker) Close(ctx context.Context) error {
 	err := w.p.Close(ctx)
+	w.mu.Lock()
+	w.closing = true
+	w.mu.Unlock()
+	w.bgCancel()
+	w.bg.Wait()
 	if w.rn != nil {
 		w.rn.close()
 	}

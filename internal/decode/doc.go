@@ -11,8 +11,17 @@
 //
 // Leases (kvflow ↔ kvflow): with Options.Renewer set, a request whose
 // remote ranks advertised a lease TTL in their metadata (job.Meta.LeaseTTL)
-// is renewed at those ranks from the end of its handshake until it ends:
-// one renewer goroutine per worker schedules, per endpoint, one RENEW with
+// is renewed at those ranks from its admission until it ends, so that time
+// spent queued (a handshake stage stalled by a dead peer, a full read
+// stage) never outlasts the prefill's abort timeout: Load plans the
+// request and leases it at once where the ranks' metadata is cached; for
+// a rank not cached it starts a fetch (one per rank at a time, shared with
+// the handshake stage through the cache) and leases the requests waiting
+// for it when it lands; the handshake stage then sets the request's leases
+// from the metadata it used (the fallback when admission could not). A
+// request's leases are removed exactly once, when it ends (done, failed —
+// also before its handshake — or never submitted). One renewer goroutine
+// per worker schedules, per endpoint, one RENEW with
 // all that endpoint's request ids every TTL/3 (and within 5 ms of a new
 // request's arrival, so the first renewal beats a short abort timeout);
 // each RENEW runs on its own goroutine, at most one per endpoint, so a

@@ -3,7 +3,10 @@ package decode
 import (
 	"context"
 	"log/slog"
+	"net"
+	"slices"
 	"sort"
+	"strconv"
 	"sync"
 	"time"
 
@@ -11,6 +14,7 @@ import (
 
 	"github.com/kvflow/kvflow/stages/handshake"
 	"github.com/kvflow/kvflow/stages/job"
+	"github.com/kvflow/kvflow/stages/plan"
 )
 
 // Renewer sends kvflow's RENEW for reqIDs to the side channel at endpoint
@@ -29,8 +33,10 @@ const renewCoalesce = 5 * time.Millisecond
 // leases would not cover one side-channel round trip with its retry).
 const minRenewTimeout = 100 * time.Millisecond
 
-// renewer renews the leases of the jobs between the handshake and the end
-// of notify whose remote ranks advertised leases (job.Meta.LeaseTTL > 0):
+// renewer renews the leases of the jobs whose remote ranks advertised
+// leases (job.Meta.LeaseTTL > 0), from their admission (metadata already
+// cached, or fetched then: lease, pend, resolve) or at the latest the end
+// of their handshake (add) until they end (remove):
 // every TTL/3 per endpoint (the smallest TTL its metadata advertised), all
 // the endpoint's request ids in one message, and once within renewCoalesce
 // of a job's arrival. One loop goroutine owns the schedule; each RENEW runs
@@ -52,6 +58,11 @@ type renewer struct {
 	closed bool
 	eps    map[string]*leaseEP
 	jobs   map[string][]string // request id → endpoints it is leased at
+	// pending[k] exists while a fetch of k's metadata, started at the
+	// admission of a request that found k uncached, is in flight; it holds
+	// the requests admitted meanwhile that wait for it to be leased at k.
+	pending   map[handshake.Key]map[string]struct{}
+	pendingOf map[string][]handshake.Key // request id → keys it is pending on
 
 	sent, failed prometheus.Counter
 	renewedIDs   prometheus.Counter
@@ -75,6 +86,7 @@ func newRenewer(r Renewer, log *slog.Logger, reg prometheus.Registerer) (*renewe
 	})
 	rn := &renewer{r: r, log: log.With("component", "lease"), kick: make(chan struct{}, 1), done: make(chan struct{}),
 		eps: map[string]*leaseEP{}, jobs: map[string][]string{},
+		pending: map[handshake.Key]map[string]struct{}{}, pendingOf: map[string][]handshake.Key{},
 		sent: msgs.WithLabelValues("acked"), failed: msgs.WithLabelValues("failed"), renewedIDs: ids}
 	leased := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "kvflow_decode_leased_requests",
@@ -96,61 +108,174 @@ func (rn *renewer) len() int {
 	return len(rn.jobs)
 }
 
-// add leases j's request at every endpoint of its tasks that advertised
-// leases. A no-op after close or when no task's peer did.
+// leaseAt is one endpoint ("host:port" of a side channel) a request is
+// leased at, with the TTL that endpoint's metadata advertised.
+type leaseAt struct {
+	endpoint string
+	ttl      time.Duration
+}
+
+// leaseAts are the endpoints of j's tasks whose metadata (j.Metas, set by
+// the handshake) advertised leases, each once.
+func leaseAts(j *job.Job) []leaseAt {
+	var out []leaseAt
+	for i := range j.Plan.Tasks {
+		ttl := j.Metas[i].LeaseTTL
+		if ttl <= 0 {
+			continue
+		}
+		ep := j.HandshakeEndpoint(i)
+		if !slices.ContainsFunc(out, func(a leaseAt) bool { return a.endpoint == ep }) {
+			out = append(out, leaseAt{ep, ttl})
+		}
+	}
+	return out
+}
+
+// add is the handshake's word on j: from now on j's request is leased at
+// exactly the endpoints whose metadata (j.Metas) advertised leases — those
+// leased at admission from cached metadata stay, new ones are added (the
+// request was admitted before their metadata was known), and any whose
+// fresh metadata no longer advertises leases are dropped. Fetches its
+// admission started no longer matter to it. A no-op after close.
 func (rn *renewer) add(j *job.Job) {
+	ats := leaseAts(j)
 	now := time.Now()
 	rn.mu.Lock()
 	defer rn.mu.Unlock()
 	if rn.closed {
 		return
 	}
-	if _, dup := rn.jobs[j.Req.ID]; dup {
+	id := j.Req.ID
+	rn.unpendLocked(id)
+	for _, key := range rn.jobs[id] {
+		if !slices.ContainsFunc(ats, func(a leaseAt) bool { return a.endpoint == key }) {
+			rn.dropLocked(id, key)
+		}
+	}
+	rn.jobs[id] = slices.DeleteFunc(rn.jobs[id], func(key string) bool {
+		return !slices.ContainsFunc(ats, func(a leaseAt) bool { return a.endpoint == key })
+	})
+	rn.leaseLocked(id, ats, now)
+	if len(rn.jobs[id]) == 0 {
+		delete(rn.jobs, id)
+	}
+}
+
+// lease leases request id at ats on top of what it already has (at its
+// admission, from cached metadata). A no-op after close.
+func (rn *renewer) lease(id string, ats []leaseAt) {
+	now := time.Now()
+	rn.mu.Lock()
+	defer rn.mu.Unlock()
+	if rn.closed {
 		return
 	}
-	var eps []string
-	for i := range j.Plan.Tasks {
-		ttl := j.Metas[i].LeaseTTL
-		if ttl <= 0 {
+	rn.leaseLocked(id, ats, now)
+}
+
+// leaseLocked adds id at every endpoint of ats it is not leased at yet;
+// the first RENEW of each goes out within renewCoalesce. Called with
+// rn.mu held.
+func (rn *renewer) leaseLocked(id string, ats []leaseAt, now time.Time) {
+	added := false
+	for _, a := range ats {
+		if a.ttl <= 0 || slices.Contains(rn.jobs[id], a.endpoint) {
 			continue
 		}
-		key := j.HandshakeEndpoint(i)
-		ep := rn.eps[key]
+		ep := rn.eps[a.endpoint]
 		if ep == nil {
-			ep = &leaseEP{ttl: ttl, ids: map[string]struct{}{}, due: now.Add(renewCoalesce)}
-			rn.eps[key] = ep
+			ep = &leaseEP{ttl: a.ttl, ids: map[string]struct{}{}, due: now.Add(renewCoalesce)}
+			rn.eps[a.endpoint] = ep
 		}
-		if _, seen := ep.ids[j.Req.ID]; seen {
-			continue // another task on the same rank
-		}
-		ep.ttl = min(ep.ttl, ttl)
-		ep.ids[j.Req.ID] = struct{}{}
+		ep.ttl = min(ep.ttl, a.ttl)
+		ep.ids[id] = struct{}{}
 		if soon := now.Add(renewCoalesce); ep.due.After(soon) {
 			ep.due = soon
 		}
-		eps = append(eps, key)
+		rn.jobs[id] = append(rn.jobs[id], a.endpoint)
+		added = true
 	}
-	if len(eps) == 0 {
+	if !added {
 		return
 	}
-	rn.jobs[j.Req.ID] = eps
 	select {
 	case rn.kick <- struct{}{}:
 	default:
 	}
 }
 
-// remove ends the leases of request id (it ended: DONEs sent or failed).
+// dropLocked takes id out of endpoint key's renewals. Called with rn.mu
+// held; the caller updates rn.jobs.
+func (rn *renewer) dropLocked(id, key string) {
+	if ep := rn.eps[key]; ep != nil {
+		delete(ep.ids, id)
+		if len(ep.ids) == 0 && !ep.busy {
+			delete(rn.eps, key)
+		}
+	}
+}
+
+// pend records that request id, admitted while k's metadata was not
+// cached, is to be leased at k once it is known (resolve). It reports
+// whether the caller must start that fetch (none is in flight for k).
+// False after close.
+func (rn *renewer) pend(id string, k handshake.Key) (fetch bool) {
+	rn.mu.Lock()
+	defer rn.mu.Unlock()
+	if rn.closed {
+		return false
+	}
+	ids, inFlight := rn.pending[k]
+	if !inFlight {
+		ids = map[string]struct{}{}
+		rn.pending[k] = ids
+	}
+	if _, dup := ids[id]; !dup {
+		ids[id] = struct{}{}
+		rn.pendingOf[id] = append(rn.pendingOf[id], k)
+	}
+	return !inFlight
+}
+
+// resolve ends the fetch of k's metadata that pend asked for: with m
+// (ok) advertising leases, every request still pending on k is leased at
+// k's endpoint. Requests that ended meanwhile are not pending any more
+// (remove), nor are those whose handshake already decided (add).
+func (rn *renewer) resolve(k handshake.Key, m job.Meta, ok bool) {
+	now := time.Now()
+	rn.mu.Lock()
+	defer rn.mu.Unlock()
+	ids := rn.pending[k]
+	delete(rn.pending, k)
+	for id := range ids {
+		rn.pendingOf[id] = slices.DeleteFunc(rn.pendingOf[id], func(x handshake.Key) bool { return x == k })
+		if len(rn.pendingOf[id]) == 0 {
+			delete(rn.pendingOf, id)
+		}
+		if ok && !rn.closed {
+			rn.leaseLocked(id, []leaseAt{{k.Endpoint, m.LeaseTTL}}, now)
+		}
+	}
+}
+
+// unpendLocked forgets the fetches id waits for (the fetches go on for
+// the others). Called with rn.mu held.
+func (rn *renewer) unpendLocked(id string) {
+	for _, k := range rn.pendingOf[id] {
+		delete(rn.pending[k], id)
+	}
+	delete(rn.pendingOf, id)
+}
+
+// remove ends the leases of request id (it ended: DONEs sent or failed,
+// or it was never submitted) and forgets any fetch it waited for.
 func (rn *renewer) remove(id string) {
 	rn.mu.Lock()
 	defer rn.mu.Unlock()
+	rn.unpendLocked(id)
 	for _, key := range rn.jobs[id] {
-		if ep := rn.eps[key]; ep != nil {
-			delete(ep.ids, id)
-			if len(ep.ids) == 0 && !ep.busy {
-				delete(rn.eps, key)
-			}
-		}
+		rn.dropLocked(id, key)
 	}
 	delete(rn.jobs, id)
 }
@@ -247,9 +372,65 @@ func (rn *renewer) send(key string, ep *leaseEP, ttl time.Duration, ids []string
 	}
 }
 
+// leaseAtAdmission leases j's request as the worker admits it, so that a
+// request waiting in a queue (a stalled handshake stage, a full read
+// stage) is held by its leases as much as one being read: at once at
+// every endpoint of its plan whose cached metadata advertises leases,
+// and at each endpoint not cached as soon as its metadata is fetched — a
+// fetch started now, one per endpoint at a time, that the handshake
+// stage's shares through the cache. The handshake stage then sets the
+// request's leases from its own metadata (leaseStage), which stays the
+// path for what admission could not lease. A request the planner rejects
+// is left to the plan stage, which fails it.
+func (w *Worker) leaseAtAdmission(j *job.Job) {
+	p, err := plan.PlanRequest(w.opts.Topology, w.opts.Self, j.Req)
+	if err != nil {
+		return
+	}
+	var ats []leaseAt
+	var seen []string
+	for _, t := range p.Tasks {
+		ep := net.JoinHostPort(p.RemoteHost, strconv.Itoa(t.HandshakePort))
+		if slices.Contains(seen, ep) {
+			continue
+		}
+		seen = append(seen, ep)
+		k := handshake.Key{EngineID: p.RemoteEngineID, Endpoint: ep}
+		if m, ok := w.hs.Cached(k); ok {
+			if m.LeaseTTL > 0 {
+				ats = append(ats, leaseAt{ep, m.LeaseTTL})
+			}
+			continue
+		}
+		if w.rn.pend(j.Req.ID, k) {
+			w.prefetch(k)
+		}
+	}
+	w.rn.lease(j.Req.ID, ats)
+}
+
+// prefetch fetches k's metadata into the handshake cache on its own
+// goroutine and resolves the leases pending on it. After Close it
+// resolves at once, with nothing.
+func (w *Worker) prefetch(k handshake.Key) {
+	w.mu.Lock()
+	if w.closing {
+		w.mu.Unlock()
+		w.rn.resolve(k, job.Meta{}, false)
+		return
+	}
+	w.bg.Add(1)
+	w.mu.Unlock()
+	go func() {
+		defer w.bg.Done()
+		m, err := w.hs.Get(w.bgCtx, k)
+		w.rn.resolve(k, m, err == nil)
+	}()
+}
+
 // leaseStage is the handshake stage plus lease registration: once every
-// task's metadata is known, the job's request is leased at the ranks that
-// advertised leases.
+// task's metadata is known, the job's request is leased at exactly the
+// ranks that advertised leases (renewer.add).
 type leaseStage struct {
 	handshake.Stage
 	rn *renewer
