@@ -72,8 +72,18 @@ type Options struct {
 	// else once it is fetched (a fetch started at admission), at the
 	// latest from its handshake. Nil: never renew (the seed's behaviour).
 	Renewer Renewer
-	Layout  plan.CacheLayout
-	Local   plan.Caches
+	// PeerAbortTimeout is the prefill side's abort timeout (its
+	// tracker.abort_request_timeout, vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT),
+	// which the metadata does not carry. With it set, a request whose read
+	// would start more than this after its admission from a rank that
+	// advertised no lease fails instead of reading (ErrStaleRead): the
+	// prefill may have force-freed those blocks and reused them, and the
+	// read would then land another request's bytes. Leased ranks are not
+	// checked (the lease holds their blocks). 0: no check (the seed's
+	// behaviour).
+	PeerAbortTimeout time.Duration
+	Layout           plan.CacheLayout
+	Local            plan.Caches
 
 	Stages StageSizes
 	// HandshakeCacheSize, HandshakeTimeout, NotifyTimeout, PerSession:
@@ -131,6 +141,10 @@ var (
 	ErrDuplicate = errors.New("decode: request already in flight")
 	ErrInvalid   = errors.New("decode: invalid load request")
 	ErrClosed    = errors.New("decode: worker closed")
+	// ErrStaleRead fails a request whose read would start past the
+	// prefill's abort timeout at a rank without a lease
+	// (Options.PeerAbortTimeout).
+	ErrStaleRead = errors.New("decode: stale read refused")
 )
 
 // Worker is one decode worker.
@@ -157,6 +171,7 @@ type Worker struct {
 	requests *prometheus.CounterVec
 	latency  *prometheus.HistogramVec
 	bytes    prometheus.Counter
+	stale    prometheus.Counter
 }
 
 // New builds and starts the worker's pipeline.
@@ -205,7 +220,11 @@ func New(o Options) (*Worker, error) {
 	w.bytes = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kvflow_decode_bytes_total", Help: "Bytes pulled by requests that ended done.",
 	})
-	for _, c := range []prometheus.Collector{w.requests, w.latency, w.bytes} {
+	w.stale = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvflow_decode_stale_reads_refused_total",
+		Help: "Requests failed instead of read because their read would start past the prefill's abort timeout at a rank without a lease (blocks may have been freed).",
+	})
+	for _, c := range []prometheus.Collector{w.requests, w.latency, w.bytes, w.stale} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("decode: register metrics: %w", err)
 		}
@@ -233,6 +252,10 @@ func New(o Options) (*Worker, error) {
 	if err != nil {
 		return nil, err
 	}
+	var rdStage pipeline.Stage[*job.Job] = rd
+	if o.PeerAbortTimeout > 0 {
+		rdStage = staleGuard{Stage: rd, abort: o.PeerAbortTimeout, now: time.Now, refused: w.stale}
+	}
 	st := o.Stages
 	var hsStage pipeline.Stage[*job.Job] = handshake.Stage{Cache: hs}
 	if o.Renewer != nil {
@@ -245,7 +268,7 @@ func New(o Options) (*Worker, error) {
 		Stages: []pipeline.StageConfig[*job.Job]{
 			{Name: "plan", Workers: st.Plan.Workers, Capacity: st.Plan.Capacity, Stage: planstage.Stage{Topology: o.Topology, Self: o.Self}},
 			{Name: "handshake", Workers: st.Handshake.Workers, Capacity: st.Handshake.Capacity, Stage: hsStage},
-			{Name: "read", Workers: st.Read.Workers, Capacity: st.Read.Capacity, Stage: rd},
+			{Name: "read", Workers: st.Read.Workers, Capacity: st.Read.Capacity, Stage: rdStage},
 			{Name: "stitch", Workers: st.Stitch.Workers, Capacity: st.Stitch.Capacity, Stage: stitch.Stage{Kernel: o.Kernel}},
 			{Name: "notify", Workers: st.Notify.Workers, Capacity: st.Notify.Capacity, Stage: nt, SeesFailed: true},
 		},
@@ -399,6 +422,43 @@ func (w *Worker) Close(ctx context.Context) error {
 		w.rn.close()
 	}
 	return err
+}
+
+// staleGuard is the read stage behind the stale-read check
+// (Options.PeerAbortTimeout).
+type staleGuard struct {
+	pipeline.Stage[*job.Job]
+	abort   time.Duration
+	now     func() time.Time
+	refused prometheus.Counter
+}
+
+func (s staleGuard) Process(ctx context.Context, j *job.Job) error {
+	if err := staleRead(j, s.abort, s.now()); err != nil {
+		s.refused.Inc()
+		return err
+	}
+	return s.Stage.Process(ctx, j)
+}
+
+// staleRead is ErrStaleRead, with its reason, if j's read starting at now
+// cannot be trusted: now is past abort after j's admission and a task's
+// rank advertised no lease, so the prefill may have force-freed its blocks
+// (it started its own timer before j was admitted here) and given them to
+// another request.
+func staleRead(j *job.Job, abort time.Duration, now time.Time) error {
+	age := now.Sub(j.Submitted)
+	if abort <= 0 || age <= abort {
+		return nil
+	}
+	for i := range j.Plan.Tasks {
+		if j.Metas[i].LeaseTTL > 0 {
+			continue
+		}
+		return fmt.Errorf("%w: task %d (%s): read started %v after admission, past the prefill's abort timeout %v; blocks may have been freed",
+			ErrStaleRead, i, j.HandshakeEndpoint(i), age.Round(time.Millisecond), abort)
+	}
+	return nil
 }
 
 func (w *Worker) sink(r pipeline.Result[*job.Job]) {

@@ -28,6 +28,15 @@
 // dead peer delays no one else. Close drains with renewals going, then
 // stops them and waits for the calls. Seed peers (no TTL) get no RENEW.
 //
+// Stale reads (peers without leases): the metadata does not carry the
+// prefill's abort timeout, so with Options.PeerAbortTimeout set to it a
+// request whose read would start more than that after its admission from
+// a rank that advertised no lease fails (ErrStaleRead, counted in
+// kvflow_decode_stale_reads_refused_total) instead of reading blocks the
+// prefill may have force-freed and handed to another request. It is a
+// safety net, not a guarantee: the prefill's timer starts before the
+// decode's admission, and a read may start in time and still run past it.
+//
 // The package wires stages; it owns no sockets or memory of its own (those
 // are injected as the stages' interfaces).
 package decode
