@@ -39,7 +39,9 @@ type Options struct {
 	AbortTimeout time.Duration
 	// LeaseTTL is the prefill side's tracker.lease_ttl (0: leases off, the
 	// default here, so the other tests see the seed's expiry alone); decode
-	// workers renew at ranks that advertise it.
+	// workers renew at ranks that advertise it. Decode workers know
+	// AbortTimeout too (decode.Options.PeerAbortTimeout): without a lease,
+	// a read that would start past it fails instead of reading.
 	LeaseTTL time.Duration
 	// HandshakeTimeout is one side-channel attempt's timeout (3 attempts).
 	// 300 ms: a dead peer fails a request within ~1.5 s.
@@ -266,6 +268,7 @@ func (c *Cluster) Reset(sched func(rank int) faults.Schedule) error {
 			Transfer:           in.Transfer(node.Transfer(n.Engine)),
 			Sender:             in.Sender(sender{n.Client, d}),
 			Renewer:            n.Client,
+			PeerAbortTimeout:   cfg.Tracker.AbortRequestTimeout.D(),
 			Kernel:             n.Device,
 			Layout:             node.CacheLayout(n.Device.Layout()),
 			Local:              plan.Caches{Base: n.Device.BaseAddrs(), NumBlocks: n.Shape.NumBlocks},

@@ -23,8 +23,8 @@
 //     timeout when its DONE was lost (nothing stranded), and never before
 //     every decode rank reading that prefill rank sent its DONE, unless the
 //     abort timeout had passed (no block freed while still being read) —
-//     and, with leases on (Options.LeaseTTL), not after it either
-//     (Report.FreedWhileReading);
+//     and, with leases on (Options.LeaseTTL; TestSoak's default), not
+//     after it either (Report.FreedWhileReading);
 //   - every done request's bytes equal the source pattern (verify.Check;
 //     since freed blocks are refilled at once, a premature free shows here
 //     too);

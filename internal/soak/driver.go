@@ -589,6 +589,7 @@ func classify(reason string) string {
 		}
 	}
 	for _, c := range []struct{ sub, cause string }{
+		{"stale read refused", "stale read refused (past the abort timeout, no lease)"},
 		{"aborted", "aborted"},
 		{"canceled", "canceled"},
 		{"faults: read truncate", "injected truncate"},

@@ -10,12 +10,23 @@ import (
 	"github.com/kvflow/kvflow/internal/faults"
 )
 
+// soakLeaseTTL is TestSoak's lease TTL: production's mechanism at the soak's
+// time scale (the abort timeout is 2 s; renewals go every 667 ms).
+const soakLeaseTTL = 2 * time.Second
+
 // TestSoak is `make soak`: KVFLOW_SOAK_DURATION of mixed load (rounds of
 // random concurrency, request sizes and fault schedules; every fifth round
 // kills a prefill instance with requests in flight and starts a new one)
 // on the TestDriver cluster. It prints requests, faults injected by kind,
 // failures reported, bytes verified and leaks, and fails on any invariant
 // violation or leak. Skipped unless KVFLOW_SOAK_DURATION is set.
+//
+// Leases are on, as in production (tracker.lease_ttl defaults to 10 s), with
+// a TTL of soakLeaseTTL, while the abort timeout stays short (2 s) so that
+// faults still reach the force-free paths; every force-free of a block a
+// live decode still reads is then a violation. KVFLOW_SOAK_LEASE_TTL
+// overrides the TTL; 0 runs the seed's expiry alone (leases off), where
+// such force-frees are the seed's own behaviour and not checked.
 func TestSoak(t *testing.T) {
 	env := os.Getenv("KVFLOW_SOAK_DURATION")
 	if env == "" {
@@ -28,7 +39,14 @@ func TestSoak(t *testing.T) {
 	before := Measure()
 	s := seed(t)
 	rng := rand.New(rand.NewPCG(s, 2))
-	c := startCluster(t, Options{})
+	ttl := soakLeaseTTL
+	if env := os.Getenv("KVFLOW_SOAK_LEASE_TTL"); env != "" {
+		if ttl, err = time.ParseDuration(env); err != nil || ttl < 0 {
+			t.Fatalf("KVFLOW_SOAK_LEASE_TTL: %q: want a duration >= 0 (%v)", env, err)
+		}
+	}
+	c := startCluster(t, Options{LeaseTTL: ttl})
+	t.Logf("lease ttl %v, abort timeout %v", c.Opts.LeaseTTL, c.Opts.AbortTimeout)
 	start := time.Now()
 	var total Report
 	for i := 0; time.Since(start) < dur; i++ {
