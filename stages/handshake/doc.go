@@ -4,8 +4,11 @@
 //
 // Metadata is cached per (engine id, host, handshake port) in a bounded LRU
 // cache; concurrent misses for the same peer share one fetch
-// (singleflight); fetches for different peers run independently, so a
-// silent peer never delays requests to the others. The read stage
+// (singleflight); fetches for different peers run independently, and a
+// failed fetch is remembered for Options.FailureTTL (1 s), so requests
+// queued for a dead or silent peer fail at once rather than each holding a
+// stage worker for a fetch timeout while requests to the others wait
+// behind them. The read stage
 // invalidates an entry when a read fails in a way that suggests the peer
 // restarted; the next job re-fetches it. A peer whose boot epoch changed is
 // also re-fetched.

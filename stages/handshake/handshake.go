@@ -46,7 +46,17 @@ type Options struct {
 	// LocalEngineID is this worker's engine id; a peer claiming it is
 	// rejected (the seed asserts the same).
 	LocalEngineID string
-	Registerer    prometheus.Registerer
+	// FailureTTL is how long a failed fetch is remembered: Gets of that
+	// peer within it fail at once with the same error instead of each
+	// waiting out a fetch of its own. 1 s: a dead peer's queued requests
+	// would otherwise hold the stage's workers a fetch timeout apiece
+	// (measured ~1.1 s each, requests to live peers waiting behind them),
+	// while a restarted peer is tried again within a second. Negative:
+	// off.
+	FailureTTL time.Duration
+	// Now is the clock (tests); nil: time.Now.
+	Now        func() time.Time
+	Registerer prometheus.Registerer
 }
 
 // Errors.
@@ -61,13 +71,24 @@ type Cache struct {
 	opts Options
 	sf   singleflight.Group
 
-	mu  sync.Mutex
-	lru *list.List // of *entry, most recent first
-	idx map[Key]*list.Element
+	mu    sync.Mutex
+	lru   *list.List // of *entry, most recent first
+	idx   map[Key]*list.Element
+	fails map[Key]failure // recent failed fetches (at most Size)
 
 	hits, misses, invalidations, errs prometheus.Counter
-	restarts                          prometheus.Counter
+	recentFail, restarts              prometheus.Counter
 }
+
+// failure is a failed fetch remembered until until.
+type failure struct {
+	err   error
+	until time.Time
+}
+
+// ErrRecentFailure marks an error returned from a remembered failed fetch
+// (Options.FailureTTL) rather than from a fetch of its own.
+var ErrRecentFailure = errors.New("handshake: peer failed within failure ttl")
 
 type entry struct {
 	key   Key
@@ -86,12 +107,19 @@ func NewCache(f Fetcher, opts Options) (*Cache, error) {
 	if opts.Timeout <= 0 {
 		opts.Timeout = 5 * time.Second
 	}
-	c := &Cache{f: f, opts: opts, lru: list.New(), idx: map[Key]*list.Element{}}
+	if opts.FailureTTL == 0 {
+		opts.FailureTTL = time.Second
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	c := &Cache{f: f, opts: opts, lru: list.New(), idx: map[Key]*list.Element{}, fails: map[Key]failure{}}
 	lookups := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_handshake_cache_lookups_total",
-		Help: "Metadata cache lookups by result (hit, miss).",
+		Help: "Metadata cache lookups by result (hit, miss, recent_failure: the peer's fetch failed within handshake's failure ttl).",
 	}, []string{"result"})
 	c.hits, c.misses = lookups.WithLabelValues("hit"), lookups.WithLabelValues("miss")
+	c.recentFail = lookups.WithLabelValues("recent_failure")
 	inv := prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kvflow_handshake_cache_invalidations_total",
 		Help: "Cached metadata dropped because a read failed or the peer's boot epoch changed.",
@@ -138,6 +166,10 @@ func (c *Cache) Get(ctx context.Context, k Key) (job.Meta, error) {
 		c.hits.Inc()
 		return m, nil
 	}
+	if err := c.recentFailure(k); err != nil {
+		c.recentFail.Inc()
+		return job.Meta{}, err
+	}
 	c.misses.Inc()
 	ch := c.sf.DoChan(k.EngineID+"\x00"+k.Endpoint, func() (any, error) {
 		// The fetch must not die with the first caller's context: others
@@ -147,10 +179,13 @@ func (c *Cache) Get(ctx context.Context, k Key) (job.Meta, error) {
 		m, err := c.f.GetMeta(fctx, k.Endpoint)
 		if err != nil {
 			c.errs.Inc()
-			return job.Meta{}, fmt.Errorf("handshake engine %q at %s: %w", k.EngineID, k.Endpoint, err)
+			err = fmt.Errorf("handshake engine %q at %s: %w", k.EngineID, k.Endpoint, err)
+			c.fail(k, err)
+			return job.Meta{}, err
 		}
 		if err := c.check(k, m); err != nil {
 			c.errs.Inc()
+			c.fail(k, err)
 			return job.Meta{}, err
 		}
 		c.store(k, m)
@@ -191,6 +226,50 @@ func (c *Cache) check(k Key, m job.Meta) error {
 	return nil
 }
 
+// recentFailure returns k's remembered failed fetch, if it has not
+// expired, wrapped in ErrRecentFailure.
+func (c *Cache) recentFailure(k Key) error {
+	if c.opts.FailureTTL < 0 {
+		return nil
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	f, ok := c.fails[k]
+	if !ok {
+		return nil
+	}
+	if !c.opts.Now().Before(f.until) {
+		delete(c.fails, k)
+		return nil
+	}
+	return fmt.Errorf("%w (%v): %w", ErrRecentFailure, c.opts.FailureTTL, f.err)
+}
+
+// fail remembers k's failed fetch for FailureTTL; at most Size peers are
+// remembered (expired ones are dropped first, then any one).
+func (c *Cache) fail(k Key, err error) {
+	if c.opts.FailureTTL < 0 {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	now := c.opts.Now()
+	if len(c.fails) >= c.opts.Size {
+		for key, f := range c.fails {
+			if !now.Before(f.until) {
+				delete(c.fails, key)
+			}
+		}
+		for key := range c.fails {
+			if len(c.fails) < c.opts.Size {
+				break
+			}
+			delete(c.fails, key)
+		}
+	}
+	c.fails[k] = failure{err: err, until: now.Add(c.opts.FailureTTL)}
+}
+
 func (c *Cache) lookup(k Key) (job.Meta, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -205,6 +284,7 @@ func (c *Cache) lookup(k Key) (job.Meta, bool) {
 func (c *Cache) store(k Key, m job.Meta) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	delete(c.fails, k)
 	if el, ok := c.idx[k]; ok {
 		e := el.Value.(*entry)
 		if old := e.meta.BootEpoch; old != 0 && m.BootEpoch != 0 && old != m.BootEpoch {

@@ -153,3 +153,114 @@ func TestBootEpochRestart(t *testing.T) {
 		t.Fatalf("epoch %d restarts %v", m.BootEpoch, testutil.ToFloat64(c.restarts))
 	}
 }
+
+// TestFailureRemembered: a failed fetch (transport error or bad metadata)
+// is answered from memory for FailureTTL, with the original error, and
+// fetched again after it; a success clears it; a negative TTL turns it off.
+func TestFailureRemembered(t *testing.T) {
+	errDown := errors.New("connection refused")
+	cases := []struct {
+		name    string
+		ttl     time.Duration
+		fetch   func() (job.Meta, error)
+		wantErr error
+		// calls after: a first Get, a second within the TTL, a third after it
+		calls [3]int32
+	}{
+		{"transport error", time.Second, func() (job.Meta, error) { return job.Meta{}, errDown }, errDown, [3]int32{1, 1, 2}},
+		{"bad metadata", time.Second, func() (job.Meta, error) { return meta("other"), nil }, ErrEngineMismatch, [3]int32{1, 1, 2}},
+		{"off", -1, func() (job.Meta, error) { return job.Meta{}, errDown }, errDown, [3]int32{1, 2, 3}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			var calls atomic.Int32
+			now := time.Unix(1000, 0)
+			f := FetcherFunc(func(ctx context.Context, ep string) (job.Meta, error) {
+				calls.Add(1)
+				return tc.fetch()
+			})
+			c, err := NewCache(f, Options{FailureTTL: tc.ttl, Now: func() time.Time { return now }, Registerer: prometheus.NewRegistry()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			k := Key{"P", "dead:1"}
+			for i, advance := range []time.Duration{0, 999 * time.Millisecond, time.Millisecond} {
+				now = now.Add(advance)
+				_, err := c.Get(context.Background(), k)
+				if !errors.Is(err, tc.wantErr) {
+					t.Fatalf("get %d: %v, want %v", i, err, tc.wantErr)
+				}
+				if remembered := errors.Is(err, ErrRecentFailure); remembered != (tc.calls[i] == tc.calls[max(i-1, 0)] && i > 0) {
+					t.Fatalf("get %d: %v: remembered %v", i, err, remembered)
+				}
+				if got := calls.Load(); got != tc.calls[i] {
+					t.Fatalf("get %d: %d fetches, want %d", i, got, tc.calls[i])
+				}
+			}
+		})
+	}
+	t.Run("success clears", func(t *testing.T) {
+		var fail atomic.Bool
+		fail.Store(true)
+		f := FetcherFunc(func(ctx context.Context, ep string) (job.Meta, error) {
+			if fail.Load() {
+				return job.Meta{}, errDown
+			}
+			return meta("P"), nil
+		})
+		now := time.Unix(1000, 0)
+		c, _ := NewCache(f, Options{Now: func() time.Time { return now }})
+		k := Key{"P", "flaky:1"}
+		c.Get(context.Background(), k)
+		fail.Store(false)
+		now = now.Add(2 * time.Second)
+		if _, err := c.Get(context.Background(), k); err != nil {
+			t.Fatalf("after the ttl: %v", err)
+		}
+		c.Invalidate(k)
+		if _, err := c.Get(context.Background(), k); err != nil {
+			t.Fatalf("re-fetch after invalidation found the old failure: %v", err)
+		}
+	})
+}
+
+// TestDeadPeerFailsFast: jobs queued for a peer whose fetch fails each
+// cost no fetch of their own while the failure is remembered, so two
+// stage workers are not held a fetch timeout per job.
+func TestDeadPeerFailsFast(t *testing.T) {
+	var dead, live atomic.Int32
+	f := FetcherFunc(func(ctx context.Context, ep string) (job.Meta, error) {
+		if ep == "dead:1" {
+			dead.Add(1)
+			time.Sleep(20 * time.Millisecond) // a fetch that times out
+			return job.Meta{}, errors.New("timeout")
+		}
+		live.Add(1)
+		return meta("P"), nil
+	})
+	c, _ := NewCache(f, Options{FailureTTL: time.Hour})
+	var wg sync.WaitGroup
+	work := make(chan Key)
+	var failed atomic.Int32
+	for range 2 { // the stage's workers
+		wg.Go(func() {
+			for k := range work {
+				if _, err := c.Get(context.Background(), k); err != nil {
+					failed.Add(1)
+				}
+			}
+		})
+	}
+	for i := range 40 {
+		k := Key{"P", "dead:1"}
+		if i%4 == 3 {
+			k.Endpoint = "live:1"
+		}
+		work <- k
+	}
+	close(work)
+	wg.Wait()
+	if dead.Load() > 2 || failed.Load() != 30 || live.Load() != 1 {
+		t.Fatalf("dead fetches %d (want ≤ 2: one, or two racing), failed %d (want 30), live fetches %d", dead.Load(), failed.Load(), live.Load())
+	}
+}
