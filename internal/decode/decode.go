@@ -167,6 +167,8 @@ type Worker struct {
 	done     []string
 	failed   []Failure
 	dropped  int
+	// lastDropLog rate-limits the warning about dropped results (w.mu).
+	lastDropLog time.Time
 
 	requests *prometheus.CounterVec
 	latency  *prometheus.HistogramVec
@@ -492,10 +494,18 @@ func (w *Worker) sink(r pipeline.Result[*job.Job]) {
 	} else {
 		w.failed = append(w.failed, Failure{RequestID: j.Req.ID, BlockIDs: j.Req.LocalBlockIDs, Reason: err.Error()})
 	}
+	dropLog := false
 	if over := len(w.done) + len(w.failed) - w.opts.MaxFinished; over > 0 {
 		w.dropOldest(over)
+		if now := time.Now(); now.Sub(w.lastDropLog) >= time.Second {
+			w.lastDropLog, dropLog = now, true
+		}
 	}
+	dropped := w.dropped
 	w.mu.Unlock()
+	if dropLog {
+		w.log.Warn("finished results dropped: the engine has not polled finished", "kept", w.opts.MaxFinished, "dropped_total", dropped)
+	}
 	if err == nil {
 		w.requests.WithLabelValues("done").Inc()
 		w.latency.WithLabelValues("done").Observe(lat.Seconds())

@@ -6,7 +6,10 @@
 // Every loaded request ends exactly once, in Finished's done list or in its
 // failed list with the request's local block ids and a reason — never both,
 // never neither (the seed reports failed transfers as done; kvflow does
-// not). Requests overlap: many are in flight at once, each stage with its
+// not). One bound: results wait for Finished up to Options.MaxFinished
+// (65,536); an engine that stops polling loses the oldest beyond that,
+// done ones first, each counted (Status.DroppedResults) and logged once
+// per second at warn level, with OnFinish still called. Requests overlap: many are in flight at once, each stage with its
 // own worker pool.
 //
 // Leases (kvflow ↔ kvflow): with Options.Renewer set, a request whose
