@@ -262,6 +262,12 @@ type Notify struct {
 type Tracker struct {
 	// AbortRequestTimeout force-frees a request not DONE within it (vLLM's
 	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT; kvflow does not read the variable).
+	// On a decode worker it is the prefill side's timeout assumed for
+	// peers that advertise no lease (seed peers; the metadata does not
+	// carry it): a read that would start later than this after the
+	// request's admission is refused, since the blocks may have been freed
+	// (kvflow_decode_stale_reads_refused_total). Keep it equal to the
+	// prefill's.
 	AbortRequestTimeout Duration `json:"abort_request_timeout"`
 	// LeaseTTL turns leases on (prefill; 0 = off): the side channel's
 	// metadata advertises it and kvflow decode workers renew the requests

@@ -186,6 +186,7 @@ func (n *Node) startDecode(log *slog.Logger, layout npu.Layout) error {
 		ReadTimeout:        cfg.Read.Timeout.D(),
 		BlockSize:          cfg.Model.BlockSize,
 		NoFusedStitch:      !cfg.Read.FusedStitch,
+		PeerAbortTimeout:   cfg.Tracker.AbortRequestTimeout.D(),
 		OnFinish:           n.deps.OnFinish,
 		Registerer:         n.deps.Registerer,
 		Logger:             log,
