@@ -46,14 +46,6 @@ type Options struct {
 	// LocalEngineID is this worker's engine id; a peer claiming it is
 	// rejected (the seed asserts the same).
 	LocalEngineID string
-	// FailureTTL is how long a failed fetch is remembered: Gets of that
-	// peer within it fail at once with the same error instead of each
-	// waiting out a fetch of its own. 1 s: a dead peer's queued requests
-	// would otherwise hold the stage's workers a fetch timeout apiece
-	// (measured ~1.1 s each, requests to live peers waiting behind them),
-	// while a restarted peer is tried again within a second. Negative:
-	// off.
-	FailureTTL time.Duration
 	// Now is the clock (tests); nil: time.Now.
 	Now        func() time.Time
 	Registerer prometheus.Registerer
@@ -74,21 +66,22 @@ type Cache struct {
 	mu    sync.Mutex
 	lru   *list.List // of *entry, most recent first
 	idx   map[Key]*list.Element
-	fails map[Key]failure // recent failed fetches (at most Size)
+	fails map[Key]failure // each peer's last failed fetch (at most Size)
 
 	hits, misses, invalidations, errs prometheus.Counter
 	recentFail, restarts              prometheus.Counter
 }
 
-// failure is a failed fetch remembered until until.
+// failure is a peer's last failed fetch and when it failed.
 type failure struct {
-	err   error
-	until time.Time
+	err error
+	at  time.Time
 }
 
-// ErrRecentFailure marks an error returned from a remembered failed fetch
-// (Options.FailureTTL) rather than from a fetch of its own.
-var ErrRecentFailure = errors.New("handshake: peer failed within failure ttl")
+// ErrFailedWhileWaiting marks an error returned to a request that was
+// already waiting when its peer's fetch failed (GetSince): the failure of
+// that fetch, not of one of its own.
+var ErrFailedWhileWaiting = errors.New("handshake: peer's fetch failed while the request waited")
 
 type entry struct {
 	key   Key
@@ -107,19 +100,16 @@ func NewCache(f Fetcher, opts Options) (*Cache, error) {
 	if opts.Timeout <= 0 {
 		opts.Timeout = 5 * time.Second
 	}
-	if opts.FailureTTL == 0 {
-		opts.FailureTTL = time.Second
-	}
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
 	c := &Cache{f: f, opts: opts, lru: list.New(), idx: map[Key]*list.Element{}, fails: map[Key]failure{}}
 	lookups := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_handshake_cache_lookups_total",
-		Help: "Metadata cache lookups by result (hit, miss, recent_failure: the peer's fetch failed within handshake's failure ttl).",
+		Help: "Metadata cache lookups by result (hit, miss, failed_while_waiting: the peer's fetch failed after the request was admitted).",
 	}, []string{"result"})
 	c.hits, c.misses = lookups.WithLabelValues("hit"), lookups.WithLabelValues("miss")
-	c.recentFail = lookups.WithLabelValues("recent_failure")
+	c.recentFail = lookups.WithLabelValues("failed_while_waiting")
 	inv := prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kvflow_handshake_cache_invalidations_total",
 		Help: "Cached metadata dropped because a read failed or the peer's boot epoch changed.",
@@ -162,11 +152,22 @@ func (c *Cache) Len() int {
 
 // Get returns k's metadata, fetching it on a miss.
 func (c *Cache) Get(ctx context.Context, k Key) (job.Meta, error) {
+	return c.GetSince(ctx, k, c.opts.Now())
+}
+
+// GetSince is Get for a request admitted at since: if k's last fetch
+// failed after since, the request was already waiting while it failed and
+// gets that failure at once (wrapped in ErrFailedWhileWaiting), as it
+// would have had it joined that fetch, instead of a fetch of its own. So
+// the requests queued behind a dead or silent peer cost one fetch timeout
+// between them, not one each, while a request admitted after the failure
+// tries again.
+func (c *Cache) GetSince(ctx context.Context, k Key, since time.Time) (job.Meta, error) {
 	if m, ok := c.lookup(k); ok {
 		c.hits.Inc()
 		return m, nil
 	}
-	if err := c.recentFailure(k); err != nil {
+	if err := c.failedSince(k, since); err != nil {
 		c.recentFail.Inc()
 		return job.Meta{}, err
 	}
@@ -226,48 +227,34 @@ func (c *Cache) check(k Key, m job.Meta) error {
 	return nil
 }
 
-// recentFailure returns k's remembered failed fetch, if it has not
-// expired, wrapped in ErrRecentFailure.
-func (c *Cache) recentFailure(k Key) error {
-	if c.opts.FailureTTL < 0 {
-		return nil
-	}
+// failedSince returns k's last failed fetch, wrapped in
+// ErrFailedWhileWaiting, if it failed after since.
+func (c *Cache) failedSince(k Key, since time.Time) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	f, ok := c.fails[k]
-	if !ok {
+	if !ok || !f.at.After(since) {
 		return nil
 	}
-	if !c.opts.Now().Before(f.until) {
-		delete(c.fails, k)
-		return nil
-	}
-	return fmt.Errorf("%w (%v): %w", ErrRecentFailure, c.opts.FailureTTL, f.err)
+	return fmt.Errorf("%w: %w", ErrFailedWhileWaiting, f.err)
 }
 
-// fail remembers k's failed fetch for FailureTTL; at most Size peers are
-// remembered (expired ones are dropped first, then any one).
+// fail records k's failed fetch; at most Size peers are remembered (the
+// oldest failure is dropped first).
 func (c *Cache) fail(k Key, err error) {
-	if c.opts.FailureTTL < 0 {
-		return
-	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	now := c.opts.Now()
-	if len(c.fails) >= c.opts.Size {
+	if _, ok := c.fails[k]; !ok && len(c.fails) >= c.opts.Size {
+		var oldest Key
+		first := true
 		for key, f := range c.fails {
-			if !now.Before(f.until) {
-				delete(c.fails, key)
+			if first || f.at.Before(c.fails[oldest].at) {
+				oldest, first = key, false
 			}
 		}
-		for key := range c.fails {
-			if len(c.fails) < c.opts.Size {
-				break
-			}
-			delete(c.fails, key)
-		}
+		delete(c.fails, oldest)
 	}
-	c.fails[k] = failure{err: err, until: now.Add(c.opts.FailureTTL)}
+	c.fails[k] = failure{err: err, at: c.opts.Now()}
 }
 
 func (c *Cache) lookup(k Key) (job.Meta, bool) {
@@ -331,7 +318,7 @@ func (s Stage) Process(ctx context.Context, j *job.Job) error {
 			continue // same rank as the previous task: filled below
 		}
 		g.Go(func() error {
-			m, err := s.Cache.Get(gctx, k)
+			m, err := s.Cache.GetSince(gctx, k, j.Submitted)
 			j.Metas[i] = m
 			return err
 		})

@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/kvflow/kvflow/stages/job"
+	"github.com/kvflow/kvflow/stages/plan"
 )
 
 func meta(engine string) job.Meta {
@@ -154,22 +155,19 @@ func TestBootEpochRestart(t *testing.T) {
 	}
 }
 
-// TestFailureRemembered: a failed fetch (transport error or bad metadata)
-// is answered from memory for FailureTTL, with the original error, and
-// fetched again after it; a success clears it; a negative TTL turns it off.
-func TestFailureRemembered(t *testing.T) {
+// TestFailedWhileWaiting: a request admitted before its peer's fetch
+// failed gets that failure without a fetch of its own (transport error or
+// bad metadata alike); one admitted after it fetches again; a success
+// forgets the failure.
+func TestFailedWhileWaiting(t *testing.T) {
 	errDown := errors.New("connection refused")
 	cases := []struct {
 		name    string
-		ttl     time.Duration
 		fetch   func() (job.Meta, error)
 		wantErr error
-		// calls after: a first Get, a second within the TTL, a third after it
-		calls [3]int32
 	}{
-		{"transport error", time.Second, func() (job.Meta, error) { return job.Meta{}, errDown }, errDown, [3]int32{1, 1, 2}},
-		{"bad metadata", time.Second, func() (job.Meta, error) { return meta("other"), nil }, ErrEngineMismatch, [3]int32{1, 1, 2}},
-		{"off", -1, func() (job.Meta, error) { return job.Meta{}, errDown }, errDown, [3]int32{1, 2, 3}},
+		{"transport error", func() (job.Meta, error) { return job.Meta{}, errDown }, errDown},
+		{"bad metadata", func() (job.Meta, error) { return meta("other"), nil }, ErrEngineMismatch},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -179,27 +177,39 @@ func TestFailureRemembered(t *testing.T) {
 				calls.Add(1)
 				return tc.fetch()
 			})
-			c, err := NewCache(f, Options{FailureTTL: tc.ttl, Now: func() time.Time { return now }, Registerer: prometheus.NewRegistry()})
+			c, err := NewCache(f, Options{Now: func() time.Time { return now }, Registerer: prometheus.NewRegistry()})
 			if err != nil {
 				t.Fatal(err)
 			}
 			k := Key{"P", "dead:1"}
-			for i, advance := range []time.Duration{0, 999 * time.Millisecond, time.Millisecond} {
-				now = now.Add(advance)
-				_, err := c.Get(context.Background(), k)
+			steps := []struct {
+				admitted time.Time
+				waiting  bool  // gets the remembered failure
+				calls    int32 // fetches so far
+			}{
+				{now.Add(-time.Second), false, 1}, // the fetch that fails (at now)
+				{now.Add(-time.Millisecond), true, 1},
+				{now, false, 2}, // admitted at the failure: not before it
+				{now.Add(time.Second), false, 3},
+			}
+			for i, st := range steps {
+				_, err := c.GetSince(context.Background(), k, st.admitted)
 				if !errors.Is(err, tc.wantErr) {
 					t.Fatalf("get %d: %v, want %v", i, err, tc.wantErr)
 				}
-				if remembered := errors.Is(err, ErrRecentFailure); remembered != (tc.calls[i] == tc.calls[max(i-1, 0)] && i > 0) {
-					t.Fatalf("get %d: %v: remembered %v", i, err, remembered)
+				if got := errors.Is(err, ErrFailedWhileWaiting); got != st.waiting {
+					t.Fatalf("get %d: %v: failed while waiting %v, want %v", i, err, got, st.waiting)
 				}
-				if got := calls.Load(); got != tc.calls[i] {
-					t.Fatalf("get %d: %d fetches, want %d", i, got, tc.calls[i])
+				if got := calls.Load(); got != st.calls {
+					t.Fatalf("get %d: %d fetches, want %d", i, got, st.calls)
 				}
+			}
+			if got := testutil.ToFloat64(c.recentFail); got != 1 {
+				t.Fatalf("failed_while_waiting lookups %v, want 1", got)
 			}
 		})
 	}
-	t.Run("success clears", func(t *testing.T) {
+	t.Run("success forgets", func(t *testing.T) {
 		var fail atomic.Bool
 		fail.Store(true)
 		f := FetcherFunc(func(ctx context.Context, ep string) (job.Meta, error) {
@@ -211,26 +221,27 @@ func TestFailureRemembered(t *testing.T) {
 		now := time.Unix(1000, 0)
 		c, _ := NewCache(f, Options{Now: func() time.Time { return now }})
 		k := Key{"P", "flaky:1"}
-		c.Get(context.Background(), k)
+		admitted := now.Add(-time.Second)
+		c.GetSince(context.Background(), k, admitted)
 		fail.Store(false)
-		now = now.Add(2 * time.Second)
+		now = now.Add(time.Second)
 		if _, err := c.Get(context.Background(), k); err != nil {
-			t.Fatalf("after the ttl: %v", err)
+			t.Fatalf("after the failure: %v", err)
 		}
 		c.Invalidate(k)
-		if _, err := c.Get(context.Background(), k); err != nil {
+		if _, err := c.GetSince(context.Background(), k, admitted); err != nil {
 			t.Fatalf("re-fetch after invalidation found the old failure: %v", err)
 		}
 	})
 }
 
-// TestDeadPeerFailsFast: jobs queued for a peer whose fetch fails each
-// cost no fetch of their own while the failure is remembered, so two
-// stage workers are not held a fetch timeout per job.
-func TestDeadPeerFailsFast(t *testing.T) {
+// TestDeadPeerQueueFailsFast: through the stage, jobs queued for a peer
+// whose fetch fails share that fetch's failure, so two stage workers are
+// not held a fetch timeout per job and the live peer's jobs pass.
+func TestDeadPeerQueueFailsFast(t *testing.T) {
 	var dead, live atomic.Int32
 	f := FetcherFunc(func(ctx context.Context, ep string) (job.Meta, error) {
-		if ep == "dead:1" {
+		if ep == "127.0.0.1:9" {
 			dead.Add(1)
 			time.Sleep(20 * time.Millisecond) // a fetch that times out
 			return job.Meta{}, errors.New("timeout")
@@ -238,25 +249,33 @@ func TestDeadPeerFailsFast(t *testing.T) {
 		live.Add(1)
 		return meta("P"), nil
 	})
-	c, _ := NewCache(f, Options{FailureTTL: time.Hour})
-	var wg sync.WaitGroup
-	work := make(chan Key)
+	c, _ := NewCache(f, Options{})
+	st := Stage{Cache: c}
+	var jobs []*job.Job
+	for i := range 40 { // all admitted before the first fetch fails
+		port := 9
+		if i%4 == 3 {
+			port = 10
+		}
+		j := job.New(plan.Request{ID: fmt.Sprint(i), RemoteEngineID: "P", RemoteHost: "127.0.0.1", RemotePort: port}, time.Now())
+		j.Plan = plan.Plan{RemoteEngineID: "P", RemoteHost: "127.0.0.1", Tasks: []plan.Task{{HandshakePort: port}}}
+		j.Metas = make([]job.Meta, 1)
+		jobs = append(jobs, j)
+	}
+	work := make(chan *job.Job)
 	var failed atomic.Int32
+	var wg sync.WaitGroup
 	for range 2 { // the stage's workers
 		wg.Go(func() {
-			for k := range work {
-				if _, err := c.Get(context.Background(), k); err != nil {
+			for j := range work {
+				if err := st.Process(context.Background(), j); err != nil {
 					failed.Add(1)
 				}
 			}
 		})
 	}
-	for i := range 40 {
-		k := Key{"P", "dead:1"}
-		if i%4 == 3 {
-			k.Endpoint = "live:1"
-		}
-		work <- k
+	for _, j := range jobs {
+		work <- j
 	}
 	close(work)
 	wg.Wait()
