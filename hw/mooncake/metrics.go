@@ -111,7 +111,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	}
 	m.conns.WithLabelValues(roleInitiator)
 	m.conns.WithLabelValues(roleTarget)
-	for _, r := range []string{reasonUnregistered, reasonNotGranted, reasonBadOpcode, reasonZeroLength} {
+	for _, r := range []string{reasonUnregistered, reasonNotGranted, reasonWriteRefused, reasonBadOpcode, reasonZeroLength} {
 		m.rejected.WithLabelValues(r)
 	}
 	return m

@@ -250,8 +250,8 @@ type Read struct {
 // are small idempotent messages answered "ACK", so they share a client of
 // their own whose Timeout, Attempts and RetryBackoff are these (handshake.*
 // applies to GET_META alone). Attempts × (Timeout + RetryBackoff) also
-// bounds a job's whole notify stage; a RENEW call is further bounded by
-// tracker.lease_ttl/3.
+// bounds a job's whole notify stage; a RENEW call is further bounded by a
+// third of the lease TTL the peer advertised (at least 100 ms).
 type Notify struct {
 	Timeout      Duration `json:"timeout"`       // one attempt's wait for the ACK
 	Attempts     int      `json:"attempts"`      // tries per DONE (1 = no retry)

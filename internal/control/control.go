@@ -91,7 +91,7 @@ func peekOp(b []byte) string {
 		if err != nil {
 			return ""
 		}
-		if !msgpcode.IsString(c) {
+		if !msgpcode.IsString(c) && !msgpcode.IsBin(c) { // Decode reads bin keys as strings too
 			if scanValue(d, 1) != nil || scanValue(d, 1) != nil { // key, value
 				return ""
 			}

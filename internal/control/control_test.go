@@ -476,6 +476,7 @@ func TestPeekOp(t *testing.T) {
 		{"repeated op: the last, as Decode", raw(0x82, 0xa2, 'o', 'p', 0xa4, 's', 'e', 'n', 'd', 0xa2, 'o', 'p', 0xa5, 'a', 'b', 'o', 'r', 't'), "abort"},
 		{"huge map length", raw(0xdf, 0xff, 0xff, 0xff, 0xff), ""},
 		{"deep value before the op: not read", deep, ""},
+		{"bin key and value, as Decode reads them", raw(0x81, 0xc4, 2, 'o', 'p', 0xc4, 4, 'l', 'o', 'a', 'd'), "load"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -173,6 +173,23 @@ func waitEnded(t *testing.T, w *Worker, ids ...string) (done []string, failed []
 	return done, failed
 }
 
+// renewsIdle reports whether no RENEW is in flight. A call records its ids
+// before its endpoint turns idle, and any later call takes its ids after
+// the check, so once it holds, no later RENEW carries a request that had
+// already ended.
+func renewsIdle(w *Worker) func() bool {
+	return func() bool {
+		w.rn.mu.Lock()
+		defer w.rn.mu.Unlock()
+		for _, ep := range w.rn.eps {
+			if ep.busy {
+				return false
+			}
+		}
+		return true
+	}
+}
+
 func waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(3 * time.Second)
@@ -233,10 +250,13 @@ func TestLeaseAtAdmission(t *testing.T) {
 			if w.rn.len() != 0 {
 				t.Fatalf("%d requests still leased after they ended", w.rn.len())
 			}
+			waitUntil(t, "no RENEW in flight", renewsIdle(w))
 			n := len(rn.snapshot())
 			time.Sleep(ttl)
-			if got := len(rn.snapshot()); got > n+1 {
-				t.Fatalf("renewals went on after the request ended: %d -> %d", n, got)
+			for _, c := range rn.snapshot()[n:] {
+				if slices.Contains(c.ids, "b") || slices.Contains(c.ids, "stall") {
+					t.Fatalf("renewed after the requests ended: %+v", c)
+				}
 			}
 		})
 	}
@@ -294,7 +314,9 @@ func TestLeaseRemovedBeforeHandshake(t *testing.T) {
 			ids := []string{"stall"}
 			for i := 0; ; i++ {
 				id := fmt.Sprintf("s%d", i)
-				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+				// Long enough that only a full pipeline, not a slow
+				// scheduler on a loaded machine, makes a Load wait it out.
+				ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 				err := w.Load(ctx, []LoadRequest{loadReq(id, portStall)})[0]
 				cancel()
 				if err != nil {
@@ -324,7 +346,7 @@ func TestLeaseRemovedBeforeHandshake(t *testing.T) {
 			}
 			w, _ := admissionWorker(t, f, rn, &reads, sizes)
 			tc.run(t, w, f, rn)
-			time.Sleep(ttl / 2) // a RENEW in flight as it ended may finish
+			waitUntil(t, "no RENEW in flight", renewsIdle(w)) // one in flight as b ended may carry it
 			n := len(rn.snapshot())
 			time.Sleep(2 * ttl)
 			for _, c := range rn.snapshot()[n:] {

@@ -79,7 +79,8 @@ type Options struct {
 	// advertised no lease fails instead of reading (ErrStaleRead): the
 	// prefill may have force-freed those blocks and reused them, and the
 	// read would then land another request's bytes. Leased ranks are not
-	// checked (the lease holds their blocks). 0: no check (the seed's
+	// checked when Renewer is set (the lease, renewed, holds their
+	// blocks); without a Renewer every rank is. 0: no check (the seed's
 	// behaviour).
 	PeerAbortTimeout time.Duration
 	Layout           plan.CacheLayout
@@ -256,7 +257,8 @@ func New(o Options) (*Worker, error) {
 	}
 	var rdStage pipeline.Stage[*job.Job] = rd
 	if o.PeerAbortTimeout > 0 {
-		rdStage = staleGuard{Stage: rd, abort: o.PeerAbortTimeout, now: time.Now, refused: w.stale}
+		// A lease protects only when this worker renews it.
+		rdStage = staleGuard{Stage: rd, abort: o.PeerAbortTimeout, now: time.Now, refused: w.stale, renewing: o.Renewer != nil}
 	}
 	st := o.Stages
 	var hsStage pipeline.Stage[*job.Job] = handshake.Stage{Cache: hs}
@@ -430,13 +432,14 @@ func (w *Worker) Close(ctx context.Context) error {
 // (Options.PeerAbortTimeout).
 type staleGuard struct {
 	pipeline.Stage[*job.Job]
-	abort   time.Duration
-	now     func() time.Time
-	refused prometheus.Counter
+	abort    time.Duration
+	now      func() time.Time
+	refused  prometheus.Counter
+	renewing bool // leases are renewed (Options.Renewer): leased ranks are exempt
 }
 
 func (s staleGuard) Process(ctx context.Context, j *job.Job) error {
-	if err := staleRead(j, s.abort, s.now()); err != nil {
+	if err := staleRead(j, s.abort, s.now(), s.renewing); err != nil {
 		s.refused.Inc()
 		return err
 	}
@@ -445,16 +448,17 @@ func (s staleGuard) Process(ctx context.Context, j *job.Job) error {
 
 // staleRead is ErrStaleRead, with its reason, if j's read starting at now
 // cannot be trusted: now is past abort after j's admission and a task's
-// rank advertised no lease, so the prefill may have force-freed its blocks
-// (it started its own timer before j was admitted here) and given them to
+// rank holds its blocks by no lease this worker renews (it advertised
+// none, or renewing is off), so the prefill may have force-freed them (it
+// started its own timer before j was admitted here) and given them to
 // another request.
-func staleRead(j *job.Job, abort time.Duration, now time.Time) error {
+func staleRead(j *job.Job, abort time.Duration, now time.Time, renewing bool) error {
 	age := now.Sub(j.Submitted)
 	if abort <= 0 || age <= abort {
 		return nil
 	}
 	for i := range j.Plan.Tasks {
-		if j.Metas[i].LeaseTTL > 0 {
+		if renewing && j.Metas[i].LeaseTTL > 0 {
 			continue
 		}
 		return fmt.Errorf("%w: task %d (%s): read started %v after admission, past the prefill's abort timeout %v; blocks may have been freed",

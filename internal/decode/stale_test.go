@@ -24,22 +24,24 @@ func TestStaleRead(t *testing.T) {
 		return j
 	}
 	for _, tc := range []struct {
-		name  string
-		j     *job.Job
-		abort time.Duration
-		after time.Duration
-		stale bool
+		name       string
+		j          *job.Job
+		abort      time.Duration
+		after      time.Duration
+		notRenewed bool // no Renewer: advertised leases are never renewed
+		stale      bool
 	}{
-		{"in time", mk(0), abort, abort - time.Millisecond, false},
-		{"at the timeout", mk(0), abort, abort, false},
-		{"past the timeout, no lease", mk(0), abort, abort + time.Millisecond, true},
-		{"past the timeout, leased", mk(time.Second), abort, 10 * abort, false},
-		{"past the timeout, one rank without a lease", mk(time.Second, 0), abort, 2 * abort, true},
-		{"no check configured", mk(0), 0, 10 * abort, false},
-		{"nothing to read", mk(), abort, 10 * abort, false},
+		{"in time", mk(0), abort, abort - time.Millisecond, false, false},
+		{"at the timeout", mk(0), abort, abort, false, false},
+		{"past the timeout, no lease", mk(0), abort, abort + time.Millisecond, false, true},
+		{"past the timeout, leased", mk(time.Second), abort, 10 * abort, false, false},
+		{"past the timeout, lease advertised but not renewed", mk(time.Second), abort, 2 * abort, true, true},
+		{"past the timeout, one rank without a lease", mk(time.Second, 0), abort, 2 * abort, false, true},
+		{"no check configured", mk(0), 0, 10 * abort, false, false},
+		{"nothing to read", mk(), abort, 10 * abort, false, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			err := staleRead(tc.j, tc.abort, admitted.Add(tc.after))
+			err := staleRead(tc.j, tc.abort, admitted.Add(tc.after), !tc.notRenewed)
 			if got := errors.Is(err, ErrStaleRead); got != tc.stale {
 				t.Fatalf("staleRead = %v, want stale %v", err, tc.stale)
 			}

@@ -109,8 +109,10 @@ func TestStalledHandshake(t *testing.T) {
 			if f := ended["warm"]; f != nil {
 				t.Fatalf("warm-up failed: %s", f.Reason)
 			}
-			// Eight requests to the silent instance: two rounds of GET_META
-			// timeouts on the four handshake workers (about 1 s each).
+			// Eight requests to the silent instance: before handshake
+			// failures were shared with the requests waiting on them, two
+			// rounds of GET_META timeouts on the four handshake workers
+			// (about 1 s each); now one, which the requests share.
 			var all []string
 			for k := range 8 {
 				id := fmt.Sprintf("ghost-%d", k)

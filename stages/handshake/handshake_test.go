@@ -279,7 +279,9 @@ func TestDeadPeerQueueFailsFast(t *testing.T) {
 	}
 	close(work)
 	wg.Wait()
-	if dead.Load() > 2 || failed.Load() != 30 || live.Load() != 1 {
-		t.Fatalf("dead fetches %d (want ≤ 2: one, or two racing), failed %d (want 30), live fetches %d", dead.Load(), failed.Load(), live.Load())
+	// Two fetches of a peer can race (a lookup that missed just before the
+	// other's fetch stored or failed); never one per job.
+	if dead.Load() > 2 || failed.Load() != 30 || live.Load() > 2 {
+		t.Fatalf("dead fetches %d (want ≤ 2), failed %d (want 30), live fetches %d (want ≤ 2)", dead.Load(), failed.Load(), live.Load())
 	}
 }

@@ -11,7 +11,8 @@
 // calls Finished and hands the ids to the engine, which frees their blocks.
 // IsHeld / Held let a caller check a request's state between steps; read
 // grants (the prefill worker's, when enabled) are revoked when Finished
-// reports the request, not at the moment the tracker frees it.
+// reports the request, or at once when its send finds it no longer held
+// (AddDelayed returned 0), not at the moment the tracker frees it.
 //
 // # API
 //
