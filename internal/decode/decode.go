@@ -5,10 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
+	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/kvflow/kvflow/pipeline"
 	"github.com/kvflow/kvflow/stages/handshake"
@@ -170,6 +174,12 @@ type Worker struct {
 	dropped  int
 	// lastDropLog rate-limits the warning about dropped results (w.mu).
 	lastDropLog time.Time
+	// release: requests canceled by Close before any DONE of theirs could
+	// have left (w.mu); Close sends their DONEs so the prefill side frees
+	// their blocks now rather than at its abort timeout.
+	release []release
+
+	shutdownDones *prometheus.CounterVec
 
 	requests *prometheus.CounterVec
 	latency  *prometheus.HistogramVec
@@ -227,7 +237,11 @@ func New(o Options) (*Worker, error) {
 		Name: "kvflow_decode_stale_reads_refused_total",
 		Help: "Requests failed instead of read because their read would start past the prefill's abort timeout at a rank without a lease (blocks may have been freed).",
 	})
-	for _, c := range []prometheus.Collector{w.requests, w.latency, w.bytes, w.stale} {
+	w.shutdownDones = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvflow_decode_shutdown_dones_total",
+		Help: "DONEs sent at shutdown for requests canceled before their notify stage (the prefill then frees their blocks at once), by result (acked, failed).",
+	}, []string{"result"})
+	for _, c := range []prometheus.Collector{w.requests, w.latency, w.bytes, w.stale, w.shutdownDones} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("decode: register metrics: %w", err)
 		}
@@ -419,13 +433,86 @@ func (w *Worker) Close(ctx context.Context) error {
 	err := w.p.Close(ctx)
 	w.mu.Lock()
 	w.closing = true
+	rel := w.release
+	w.release = nil
 	w.mu.Unlock()
+	w.sendReleases(ctx, rel)
 	w.bgCancel()
 	w.bg.Wait()
 	if w.rn != nil {
 		w.rn.close()
 	}
 	return err
+}
+
+// release names the DONEs a request canceled at shutdown still owes.
+type release struct {
+	id        string
+	endpoints []string
+}
+
+// releaseOf is the release a result owes: a request canceled (by Close,
+// past its drain deadline) in a stage before notify has sent no DONE, and
+// its reads have stopped (a canceled batch returns only once the engine
+// no longer touches its memory), so its DONEs are safe to send. One
+// canceled in notify itself may have delivered some already (a DONE
+// counted twice could free a block another decode rank still reads): it
+// owes none here.
+// A request canceled before it was planned is planned here for its
+// endpoints.
+func (w *Worker) releaseOf(r pipeline.Result[*job.Job]) release {
+	j := r.Item
+	if r.Outcome != pipeline.Canceled || r.Stage == "notify" {
+		return release{}
+	}
+	pl := j.Plan
+	if len(pl.Tasks) == 0 {
+		var err error
+		if pl, err = plan.PlanRequest(w.opts.Topology, w.opts.Self, j.Req); err != nil {
+			return release{}
+		}
+	}
+	// One DONE per task, as notify sends: the prefill rank counts them
+	// (plan.PrefillExpectedDones counts tasks).
+	rel := release{id: j.Req.ID}
+	for _, t := range pl.Tasks {
+		rel.endpoints = append(rel.endpoints, net.JoinHostPort(pl.RemoteHost, strconv.Itoa(t.HandshakePort)))
+	}
+	return rel
+}
+
+// ReleaseTimeout bounds the DONEs Close sends for requests it canceled,
+// beyond Close's own context (which has usually ended by then).
+var ReleaseTimeout = 2 * time.Second
+
+// sendReleases sends the DONEs of requests canceled at shutdown, at most 16
+// at a time, within ReleaseTimeout. A prefill that misses one frees those
+// blocks at its abort timeout (or lease expiry), as it would have anyway.
+func (w *Worker) sendReleases(ctx context.Context, rel []release) {
+	if len(rel) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ReleaseTimeout)
+	defer cancel()
+	var g errgroup.Group
+	g.SetLimit(16)
+	var acked, failed atomic.Int64
+	for _, r := range rel {
+		for _, ep := range r.endpoints {
+			g.Go(func() error {
+				if err := w.opts.Sender.SendDone(ctx, ep, r.id); err != nil {
+					failed.Add(1)
+				} else {
+					acked.Add(1)
+				}
+				return nil
+			})
+		}
+	}
+	g.Wait()
+	w.shutdownDones.WithLabelValues("acked").Add(float64(acked.Load()))
+	w.shutdownDones.WithLabelValues("failed").Add(float64(failed.Load()))
+	w.log.Info("sent DONEs for requests canceled at shutdown", "requests", len(rel), "acked", acked.Load(), "failed", failed.Load())
 }
 
 // staleGuard is the read stage behind the stale-read check
@@ -491,7 +578,11 @@ func (w *Worker) sink(r pipeline.Result[*job.Job]) {
 	if w.rn != nil {
 		w.rn.remove(j.Req.ID)
 	}
+	rel := w.releaseOf(r)
 	w.mu.Lock()
+	if rel.id != "" {
+		w.release = append(w.release, rel)
+	}
 	delete(w.inflight, j.Req.ID)
 	if err == nil {
 		w.done = append(w.done, j.Req.ID)

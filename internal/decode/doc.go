@@ -31,6 +31,14 @@
 // dead peer delays no one else. Close drains with renewals going, then
 // stops them and waits for the calls. Seed peers (no TTL) get no RENEW.
 //
+// Shutdown: requests Close cancels (its context ended before they
+// drained) in a stage before notify owe the prefill their DONEs; Close
+// sends them, one per task as notify would, within ReleaseTimeout, so the
+// prefill frees those blocks at once rather than at its abort timeout.
+// Their reads have stopped by then; a request canceled inside notify may
+// have sent some already and gets none (a DONE counted twice could free
+// blocks another decode rank still reads).
+//
 // Stale reads (peers without leases): the metadata does not carry the
 // prefill's abort timeout, so with Options.PeerAbortTimeout set to it a
 // request whose read would start more than that after its admission from
