@@ -331,3 +331,101 @@ func TestFusedStitch(t *testing.T) {
 		})
 	}
 }
+
+// gateTransfer blocks reads of session "127.0.0.1:17001" until open is
+// closed and counts the reads in flight per session.
+type gateTransfer struct {
+	open     chan struct{}
+	mu       sync.Mutex
+	inflight map[string]int
+	peak     map[string]int
+}
+
+func (g *gateTransfer) BatchRead(ctx context.Context, session string, ops []plan.Op) error {
+	g.mu.Lock()
+	g.inflight[session]++
+	g.peak[session] = max(g.peak[session], g.inflight[session])
+	g.mu.Unlock()
+	defer func() { g.mu.Lock(); g.inflight[session]--; g.mu.Unlock() }()
+	if session == "127.0.0.1:17001" {
+		select {
+		case <-g.open:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return nil
+}
+
+// sessionJob is a one-task job reading the rank whose TE RPC port is port.
+func sessionJob(id string, port int) *job.Job {
+	j := testJob(1)
+	j.Req.ID = id
+	j.Metas[0].TERPCPort = port
+	return j
+}
+
+// TestPerSessionJobs: at most PerSessionJobs requests read one session at
+// once; requests waiting for a stuck session's slots leave the stage's
+// other workers free for other sessions; a waiting request whose context
+// ends gives up with the reason and holds nothing; a request reading two
+// sessions holds a slot at each.
+func TestPerSessionJobs(t *testing.T) {
+	g := &gateTransfer{open: make(chan struct{}), inflight: map[string]int{}, peak: map[string]int{}}
+	s, err := New(g, Options{
+		Layout:         plan.CacheLayout{BlockLen: []uint64{4096}, CachesPerLayer: 2},
+		Local:          plan.Caches{Base: []uint64{5 << 30, 6 << 30, 7 << 30, 8 << 30}, NumBlocks: 8},
+		PerSessionJobs: 2,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for i := range 6 { // six stage workers, all on the stuck session
+		wg.Go(func() { errs <- s.Process(context.Background(), sessionJob(fmt.Sprint("stuck-", i), 17001)) })
+	}
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		for deadline := time.Now().Add(5 * time.Second); !cond(); time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("timed out waiting for %s", what)
+			}
+		}
+	}
+	waitFor("two reads in flight and four waiting", func() bool {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		return g.inflight["127.0.0.1:17001"] == 2 && len(s.jobSem("127.0.0.1:17001")) == 2
+	})
+	// Another session is not held up by them.
+	if err := s.Process(context.Background(), sessionJob("other", 17002)); err != nil {
+		t.Fatalf("other session: %v", err)
+	}
+	// A request reading both sessions waits for the stuck one's slot and
+	// gives up when its context ends, holding no slot at the other.
+	both := sessionJob("both", 17001)
+	both.Plan.Tasks = append(both.Plan.Tasks, both.Plan.Tasks[0])
+	both.Metas = append(both.Metas, both.Metas[0])
+	both.Metas[1].TERPCPort = 17000 // sorts first: taken, then given back
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	err = s.Process(ctx, both)
+	cancel()
+	if err == nil || !strings.Contains(err.Error(), "waiting for a slot at session 127.0.0.1:17001") {
+		t.Fatalf("both: %v, want a wait for the stuck session", err)
+	}
+	if n := len(s.jobSem("127.0.0.1:17000")); n != 0 {
+		t.Fatalf("%d slots of the other session still held", n)
+	}
+	close(g.open)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if p := g.peak["127.0.0.1:17001"]; p != 2 {
+		t.Fatalf("peak %d requests reading the stuck session, want 2", p)
+	}
+}
