@@ -362,16 +362,13 @@ func Default() Config {
 				// Handshakes are network round trips, cached and
 				// deduplicated: a few in parallel hide a slow peer.
 				Handshake: 8,
-				// Requests reading one prefill rank at once (each waits for
-				// its batches: at least one round trip, however few
-				// bytes). Large batches are further bounded per peer by
-				// read.per_peer_concurrency (the engine's lanes), so more
-				// do not oversubscribe a link; they let small requests'
-				// round trips overlap (small 1-8 block requests across a
-				// 1 ms link: 8 capped them at ~440 req/s). The stage runs
-				// a worker for every request that can queue ahead of it,
-				// so requests stuck on one slow peer wait for its slots
-				// without holding up requests to other peers.
+				// A read worker waits for its request's batches: at least
+				// one round trip, however few bytes. Large batches are
+				// bounded per peer by read.per_peer_concurrency (the
+				// engine's lanes), so more workers do not oversubscribe a
+				// link; they let small requests' round trips overlap
+				// (small 1-8 block requests across a 1 ms link: 8 workers
+				// capped them at ~440 req/s).
 				Read: 32,
 				// The stitch is a memory-bound copy: 2 saturates memory
 				// bandwidth on small hosts without starving the transport.

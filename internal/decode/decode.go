@@ -259,7 +259,7 @@ func New(o Options) (*Worker, error) {
 	w.hs = hs
 	rd, err := read.New(o.Transfer, read.Options{
 		Layout: o.Layout, Local: o.Local, PerSession: o.PerSession, Timeout: o.ReadTimeout, Registerer: reg,
-		BlockSize: o.BlockSize, NoFuse: o.NoFusedStitch, PerSessionJobs: o.Stages.Read.Workers,
+		BlockSize: o.BlockSize, NoFuse: o.NoFusedStitch,
 		Invalidate: func(j *job.Job, i int) { hs.Invalidate(handshake.KeyOf(j, i)) },
 	})
 	if err != nil {
@@ -275,15 +275,6 @@ func New(o Options) (*Worker, error) {
 		rdStage = staleGuard{Stage: rd, abort: o.PeerAbortTimeout, now: time.Now, refused: w.stale, renewing: o.Renewer != nil}
 	}
 	st := o.Stages
-	// The read stage's configured workers bound the requests reading one
-	// prefill rank at once (read.PerSessionJobs); the stage itself runs a
-	// worker for every request that can queue ahead of it (plan and
-	// handshake pools and queues, its own queue), so requests stuck on one
-	// slow peer wait for that peer's slots in parked goroutines instead of
-	// holding every worker while requests to other peers queue behind them.
-	if ahead := st.Plan.Workers + st.Plan.Capacity + st.Handshake.Workers + st.Handshake.Capacity + st.Read.Capacity; st.Read.Workers < ahead {
-		st.Read.Workers = ahead
-	}
 	var hsStage pipeline.Stage[*job.Job] = handshake.Stage{Cache: hs}
 	if o.Renewer != nil {
 		if w.rn, err = newRenewer(o.Renewer, w.log, reg); err != nil {

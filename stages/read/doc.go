@@ -25,14 +25,9 @@
 // The decision is per job, before any task runs: every slice of a block
 // must land the same way. Options.NoFuse keeps the seed's way.
 //
-// Two per-session limits (a session is a remote prefill rank's
-// transfer-engine endpoint): Options.PerSession bounds the large batches
-// running against one peer, Options.PerSessionJobs the requests reading
-// it. A request waits for its sessions' slots (taken in sorted order)
-// before it reads; given more stage workers than PerSessionJobs (the
-// decode worker runs one per request that can queue ahead of the stage),
-// requests stuck on one slow prefill rank hold only that rank's slots and
-// requests to other peers keep moving. A failed read
+// A per-session limit (the remote prefill rank's transfer-engine endpoint)
+// bounds how many batches run against one peer, so one slow prefill rank
+// cannot take every worker: jobs for other peers keep moving. A failed read
 // invalidates the peer's cached metadata (it may have restarted with new
 // addresses) so the next job re-fetches it.
 //

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"sync"
 	"time"
 
@@ -82,13 +81,6 @@ type Options struct {
 	// 4: enough to keep a TCP peer's lanes busy; the rest of the read
 	// workers stay free for other peers.
 	PerSession int
-	// PerSessionJobs bounds the requests reading one remote session at
-	// once: a request holds a slot at every session it reads (taken in
-	// order, so two requests never wait on each other) for its whole read.
-	// With more stage workers than this, requests stuck on one slow peer
-	// wait for its slots without holding the workers that requests to
-	// other peers need. 0: no limit.
-	PerSessionJobs int
 	// SmallBatch: batches of at most this many bytes skip the per-session
 	// limit, so a short request is not queued behind the long requests
 	// holding every slot (the transfer engine interleaves batches on its
@@ -113,15 +105,13 @@ type Stage struct {
 	t    Transfer
 	opts Options
 
-	mu      sync.Mutex
-	sems    map[string]chan struct{}
-	jobSems map[string]chan struct{} // PerSessionJobs slots by session
+	mu   sync.Mutex
+	sems map[string]chan struct{}
 
 	bytes, ops, failures prometheus.Counter
 	shortfalls           prometheus.Counter
 	fused                prometheus.Counter
 	waiting              prometheus.Gauge
-	jobsWaiting          prometheus.Gauge
 }
 
 // New makes the stage.
@@ -138,19 +128,15 @@ func New(t Transfer, opts Options) (*Stage, error) {
 	if opts.SmallBatch == 0 {
 		opts.SmallBatch = 4 << 20
 	}
-	if opts.PerSessionJobs < 0 {
-		opts.PerSessionJobs = 0
-	}
-	s := &Stage{t: t, opts: opts, sems: map[string]chan struct{}{}, jobSems: map[string]chan struct{}{}}
+	s := &Stage{t: t, opts: opts, sems: map[string]chan struct{}{}}
 	s.bytes = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_bytes_total", Help: "Bytes read from prefill ranks (successful batches)."})
 	s.ops = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_ops_total", Help: "Transfer ops posted (successful batches)."})
 	s.failures = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_batch_failures_total", Help: "Batches that failed."})
 	s.shortfalls = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_ledger_shortfalls_total", Help: "Batches that reported success but whose byte ledger showed ops not fully landed (the job fails)."})
 	s.fused = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_fused_stitch_jobs_total", Help: "Jobs whose blocks were read straight into their stitched layout (head transpose fused into the read; the stitch stage skips them)."})
 	s.waiting = prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvflow_read_session_waiting", Help: "Batches waiting for their session's concurrency limit."})
-	s.jobsWaiting = prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvflow_read_jobs_waiting", Help: "Requests waiting for a slot at a session they read (read.PerSessionJobs)."})
 	if opts.Registerer != nil {
-		for _, c := range []prometheus.Collector{s.bytes, s.ops, s.failures, s.shortfalls, s.fused, s.waiting, s.jobsWaiting} {
+		for _, c := range []prometheus.Collector{s.bytes, s.ops, s.failures, s.shortfalls, s.fused, s.waiting} {
 			if err := opts.Registerer.Register(c); err != nil {
 				return nil, fmt.Errorf("read: register metrics: %w", err)
 			}
@@ -170,67 +156,11 @@ func (s *Stage) sem(session string) chan struct{} {
 	return c
 }
 
-// jobSem is session's PerSessionJobs slots.
-func (s *Stage) jobSem(session string) chan struct{} {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	c, ok := s.jobSems[session]
-	if !ok {
-		c = make(chan struct{}, s.opts.PerSessionJobs)
-		s.jobSems[session] = c
-	}
-	return c
-}
-
-// admit takes a PerSessionJobs slot at every session j reads, in sorted
-// order (no two requests can each hold what the other waits for), and
-// returns the function that gives them back.
-func (s *Stage) admit(ctx context.Context, j *job.Job) (func(), error) {
-	if s.opts.PerSessionJobs == 0 || len(j.Plan.Tasks) == 0 {
-		return func() {}, nil
-	}
-	var sessions []string
-	for i := range j.Plan.Tasks {
-		sessions = append(sessions, j.Session(i))
-	}
-	slices.Sort(sessions)
-	sessions = slices.Compact(sessions)
-	held := make([]chan struct{}, 0, len(sessions))
-	release := func() {
-		for _, c := range held {
-			<-c
-		}
-	}
-	for _, sess := range sessions {
-		c := s.jobSem(sess)
-		select {
-		case c <- struct{}{}:
-		default:
-			s.jobsWaiting.Inc()
-			select {
-			case c <- struct{}{}:
-				s.jobsWaiting.Dec()
-			case <-ctx.Done():
-				s.jobsWaiting.Dec()
-				release()
-				return nil, fmt.Errorf("read: waiting for a slot at session %s: %w", sess, context.Cause(ctx))
-			}
-		}
-		held = append(held, c)
-	}
-	return release, nil
-}
-
 // Process reads every task of j; it fails on the first failed task and
 // cancels the others.
 func (s *Stage) Process(ctx context.Context, j *job.Job) error {
 	ctx, stop := j.Context(ctx)
 	defer stop()
-	release, err := s.admit(ctx, j)
-	if err != nil {
-		return err
-	}
-	defer release()
 	// Fused or not is decided once per job: every task of it must land
 	// its slices the same way for the blocks to come out right.
 	j.Stitched = s.fuses(j.Plan)
