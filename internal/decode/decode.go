@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -465,18 +463,14 @@ func (w *Worker) releaseOf(r pipeline.Result[*job.Job]) release {
 	if r.Outcome != pipeline.Canceled || r.Stage == "notify" {
 		return release{}
 	}
-	pl := j.Plan
-	if len(pl.Tasks) == 0 {
-		var err error
-		if pl, err = plan.PlanRequest(w.opts.Topology, w.opts.Self, j.Req); err != nil {
-			return release{}
-		}
+	if err := planstage.Plan(w.opts.Topology, w.opts.Self, j); err != nil {
+		return release{}
 	}
 	// One DONE per task, as notify sends: the prefill rank counts them
 	// (plan.PrefillExpectedDones counts tasks).
 	rel := release{id: j.Req.ID}
-	for _, t := range pl.Tasks {
-		rel.endpoints = append(rel.endpoints, net.JoinHostPort(pl.RemoteHost, strconv.Itoa(t.HandshakePort)))
+	for i := range j.Plan.Tasks {
+		rel.endpoints = append(rel.endpoints, j.HandshakeEndpoint(i))
 	}
 	return rel
 }

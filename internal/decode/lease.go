@@ -3,10 +3,8 @@ package decode
 import (
 	"context"
 	"log/slog"
-	"net"
 	"slices"
 	"sort"
-	"strconv"
 	"sync"
 	"time"
 
@@ -14,7 +12,7 @@ import (
 
 	"github.com/kvflow/kvflow/stages/handshake"
 	"github.com/kvflow/kvflow/stages/job"
-	"github.com/kvflow/kvflow/stages/plan"
+	"github.com/kvflow/kvflow/stages/plan/planstage"
 )
 
 // Renewer sends kvflow's RENEW for reqIDs to the side channel at endpoint
@@ -383,19 +381,19 @@ func (rn *renewer) send(key string, ep *leaseEP, ttl time.Duration, ids []string
 // path for what admission could not lease. A request the planner rejects
 // is left to the plan stage, which fails it.
 func (w *Worker) leaseAtAdmission(j *job.Job) {
-	p, err := plan.PlanRequest(w.opts.Topology, w.opts.Self, j.Req)
-	if err != nil {
+	// The plan stage keeps this plan.
+	if err := planstage.Plan(w.opts.Topology, w.opts.Self, j); err != nil {
 		return
 	}
 	var ats []leaseAt
 	var seen []string
-	for _, t := range p.Tasks {
-		ep := net.JoinHostPort(p.RemoteHost, strconv.Itoa(t.HandshakePort))
+	for i := range j.Plan.Tasks {
+		ep := j.HandshakeEndpoint(i)
 		if slices.Contains(seen, ep) {
 			continue
 		}
 		seen = append(seen, ep)
-		k := handshake.Key{EngineID: p.RemoteEngineID, Endpoint: ep}
+		k := handshake.Key{EngineID: j.Plan.RemoteEngineID, Endpoint: ep}
 		if m, ok := w.hs.Cached(k); ok {
 			if m.LeaseTTL > 0 {
 				ats = append(ats, leaseAt{ep, m.LeaseTTL})
