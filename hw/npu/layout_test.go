@@ -3,6 +3,7 @@ package npu
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"slices"
 	"strconv"
@@ -287,22 +288,15 @@ func TestTransferVectorsUseLayout(t *testing.T) {
 		Raising []tcase `json:"raising_cases"`
 	}
 	loadJSON(t, "transfer_kv_cache.json", &f)
-	// A shape per block_len list seen in the vectors (bf16, block_size 16).
-	shapes := map[string]Shape{
-		"[4096]":            {BlockSize: 16, NumKVHeads: 1, HeadDim: 128, DType: BF16},
-		"[8192]":            {BlockSize: 16, NumKVHeads: 2, HeadDim: 128, DType: BF16},
-		"[16384 2048]":      {BlockSize: 16, DType: BF16, MLA: true, KVLoraRank: 512, QKRopeHeadDim: 64},
-		"[16384 2048 4096]": {BlockSize: 16, DType: BF16, MLA: true, KVLoraRank: 512, QKRopeHeadDim: 64, Sparse: true, IndexerDim: 128},
-	}
 	checked := 0
 	for i, c := range append(f.Cases, f.Raising...) {
 		calls := c.Expect.Calls
 		if i >= len(f.Cases) {
 			calls = c.Calls
 		}
-		s, ok := shapes[fmtInts(c.Thread.BlockLen)]
-		if !ok {
-			t.Fatalf("case %d: no shape for block_len %v", i, c.Thread.BlockLen)
+		s, err := shapeForBlockLens(c.Thread.BlockLen, c.Thread.CachesPerLayer)
+		if err != nil {
+			t.Fatalf("case %d: %v", i, err)
 		}
 		s.NumLayers, s.NumBlocks = c.Thread.Layers, 64
 		l, err := NewLayout(s)
@@ -436,4 +430,30 @@ func TestShapeValidate(t *testing.T) {
 	if _, err := NewHost(Layout{}, HostOptions{}); !errors.Is(err, ErrInvalidShape) {
 		t.Errorf("NewHost(zero Layout) = %v", err)
 	}
+}
+
+// shapeForBlockLens builds a shape whose layout has exactly the seed's
+// block_len list (one entry for GQA, two for MLA, three for Sparse), for
+// any set of vectors: block_len is elem·block_size·width per part, so a
+// one-byte dtype and block_size 1 give every width exactly. Only block_len
+// and the part count enter _transfer_kv_cache's arithmetic.
+func shapeForBlockLens(blockLen []int, partsPerLayer int) (Shape, error) {
+	s := Shape{BlockSize: 1, DType: INT8}
+	for _, bl := range blockLen {
+		if bl < 1 {
+			return Shape{}, fmt.Errorf("block_len %v: entries must be >= 1", blockLen)
+		}
+	}
+	switch {
+	case len(blockLen) == 1 && partsPerLayer == 2:
+		s.NumKVHeads, s.HeadDim = 1, blockLen[0]
+	case len(blockLen) == 2 && partsPerLayer == 2:
+		s.MLA, s.KVLoraRank, s.QKRopeHeadDim = true, blockLen[0], blockLen[1]
+	case len(blockLen) == 3 && partsPerLayer == 3:
+		s.MLA, s.KVLoraRank, s.QKRopeHeadDim = true, blockLen[0], blockLen[1]
+		s.Sparse, s.IndexerDim = true, blockLen[2]
+	default:
+		return Shape{}, fmt.Errorf("block_len %v with %d caches per layer is no layout the seed registers", blockLen, partsPerLayer)
+	}
+	return s, nil
 }

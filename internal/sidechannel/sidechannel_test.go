@@ -153,7 +153,41 @@ func TestSeedDialogues(t *testing.T) {
 	if err := json.Unmarshal(raw, &f); err != nil {
 		t.Fatal(err)
 	}
-	seedMeta := Metadata{EngineID: "engine-P", TERPCPort: 15000, KVCachesBaseAddr: []uint64{0x10000000}, NumBlocks: 8}
+	// What the seed answered GET_META with, and the first DONE it was sent,
+	// come from the recorded dialogues themselves (any vector set).
+	var seedMeta Metadata
+	haveMeta, firstDone := false, ""
+	for _, c := range f.Cases {
+		if c.Kind != "send_thread_dialogue" {
+			continue
+		}
+		for _, frames := range c.FramesIn {
+			if len(frames) < 2 || firstDone != "" {
+				continue
+			}
+			b, _ := hex.DecodeString(frames[len(frames)-1])
+			if r, err := wire.DecodeRequest(b); err == nil && r.Kind == wire.KindDoneRecving {
+				firstDone = r.RequestID
+			}
+		}
+		for _, rep := range c.Replies {
+			if len(rep) < 2 {
+				continue
+			}
+			b, _ := hex.DecodeString(rep[len(rep)-1])
+			m, err := wire.DecodeMetadata(b)
+			if err != nil {
+				continue
+			}
+			if haveMeta && !reflect.DeepEqual(m, seedMeta) {
+				t.Fatalf("%s: the seed answered GET_META with %+v and elsewhere %+v", c.Dialogue, m, seedMeta)
+			}
+			seedMeta, haveMeta = m, true
+		}
+	}
+	if !haveMeta || firstDone == "" {
+		t.Fatalf("vectors: no GET_META reply (%v) or no DONE (%q) in the seed's dialogues", haveMeta, firstDone)
+	}
 	for _, drop := range []bool{false, true} {
 		t.Run(fmt.Sprintf("drop=%v", drop), func(t *testing.T) {
 			e := newEnv(t)
@@ -224,8 +258,8 @@ func TestSeedDialogues(t *testing.T) {
 			if n < 10 {
 				t.Fatalf("only %d answered frame sets checked", n)
 			}
-			if got := h.doneIDs(); len(got) == 0 || got[0] != "req-9" {
-				t.Fatalf("DONEs seen: %q", got)
+			if got := h.doneIDs(); len(got) == 0 || got[0] != firstDone {
+				t.Fatalf("DONEs seen: %q, want %q first", got, firstDone)
 			}
 			if v := metric(t, e, "kvflow_sidechannel_bad_messages_total", map[string]string{"reason": "envelope"}); v < 2 {
 				t.Errorf("bad envelope count %v", v)
