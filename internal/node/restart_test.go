@@ -18,9 +18,16 @@ import (
 // same configuration: the same side-channel port, a new transfer-engine
 // port, new cache addresses and a new boot epoch (epoch 0: its start time).
 // The port may take a moment to come free: it is tried until a deadline.
-func restartPrefill(t *testing.T, c *cluster, epoch uint64) *Node {
+// With sameTEPort the new process listens on the old one's transfer-engine
+// port (node.te_port set, as a deployment with fixed ports has it).
+func restartPrefill(t *testing.T, c *cluster, epoch uint64, sameTEPort ...bool) *Node {
 	t.Helper()
 	old := c.prefill[0]
+	cfg := old.Config
+	same := len(sameTEPort) > 0 && sameTEPort[0]
+	if same {
+		cfg.Node.TEPort = old.Engine.RPCPort()
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if err := old.Close(ctx); err != nil {
@@ -29,12 +36,12 @@ func restartPrefill(t *testing.T, c *cluster, epoch uint64) *Node {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		reg := prometheus.NewRegistry()
-		n, err := Start(old.Config, Deps{Registerer: reg, BootEpoch: epoch})
+		n, err := Start(cfg, Deps{Registerer: reg, BootEpoch: epoch})
 		if err == nil {
 			c.prefill[0] = n // closed by the cluster's cleanup
 			c.regs[n] = reg
-			if n.Engine.SessionID() == old.Engine.SessionID() {
-				t.Fatalf("restarted prefill kept its transfer-engine session %s", n.Engine.SessionID())
+			if (n.Engine.SessionID() == old.Engine.SessionID()) != same {
+				t.Fatalf("restarted prefill's transfer-engine session %s, was %s (same port wanted: %v)", n.Engine.SessionID(), old.Engine.SessionID(), same)
 			}
 			return n
 		}
@@ -90,19 +97,29 @@ func checkBytes(t *testing.T, c *cluster, id string, local, remote []int) {
 // closed the connection" / "connection refused") and only a third one
 // would have re-handshaken.
 func TestPrefillRestartBetweenRequests(t *testing.T) {
-	for _, grants := range []bool{false, true} {
-		name := "grants-off"
-		if grants {
-			name = "grants-on"
-		}
-		t.Run(name, func(t *testing.T) {
-			c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), grants: grants})
+	for _, tc := range []struct {
+		name               string
+		grants, sameTEPort bool
+	}{
+		{"grants-off", false, false},
+		{"grants-on", true, false},
+		{"same-te-port", false, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.sameTEPort {
+				// The retry reaches the new process (the engine's peer is
+				// marked stale and handshakes again), but the engine's other
+				// lanes keep their connections to the old process's data
+				// port and the retried batch fails on them.
+				t.Skip("hw/mooncake: a peer's lanes keep their connections across its re-handshake; a prefill restarted on the same te_port fails the first request twice")
+			}
+			c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), grants: tc.grants})
 			if r := pull(t, c, c.prefill[0], "before", []int{1, 2}, []int{3, 4}, true); r.Err != nil {
 				t.Fatalf("request before the restart: %v", r.Err)
 			}
 			checkBytes(t, c, "before", []int{1, 2}, []int{3, 4})
 
-			p2 := restartPrefill(t, c, 0)
+			p2 := restartPrefill(t, c, 0, tc.sameTEPort)
 			if r := pull(t, c, p2, "after", []int{5, 6, 7}, []int{8, 9, 10}, true); r.Err != nil {
 				t.Fatalf("request after the restart: %v", r.Err)
 			}
