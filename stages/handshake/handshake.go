@@ -174,6 +174,11 @@ func (c *Cache) GetSince(ctx context.Context, k Key, since time.Time) (job.Meta,
 	}
 	c.misses.Inc()
 	ch := c.sf.DoChan(k.EngineID+"\x00"+k.Endpoint, func() (any, error) {
+		// A fetch that landed between the lookup above and this flight
+		// is this caller's answer too (one fetch per miss, not two).
+		if m, ok := c.lookup(k); ok {
+			return m, nil
+		}
 		// The fetch must not die with the first caller's context: others
 		// share it. It is bounded by the timeout instead.
 		fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.opts.Timeout)

@@ -255,7 +255,7 @@ func (s *Stage) recover(ctx context.Context, j *job.Job, i int, err error, f Fai
 		if errors.Is(v, ErrPeerRestarted) {
 			return fmt.Errorf("%w; %w", v, err)
 		}
-		return err
+		return fmt.Errorf("%w; not read again: %w", err, v)
 	}
 	if err2, _ := s.attempt(ctx, j, i); err2 != nil {
 		s.retries.WithLabelValues("failed").Inc()
@@ -280,6 +280,9 @@ func (s *Stage) invalidate(j *job.Job, i int) {
 func (s *Stage) attempt(ctx context.Context, j *job.Job, i int) (err, batchErr error) {
 	t := j.Plan.Tasks[i]
 	m := j.Metas[i]
+	if err := bootedAfter(m, j.Submitted); err != nil {
+		return fmt.Errorf("read task %d (rank %d): %w", i, t.RemoteRank, err), nil
+	}
 	rd := readsPool.Get().(*plan.Reads)
 	defer func() {
 		rd.Reset() // drop the references to the job's lists

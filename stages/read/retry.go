@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"time"
 
@@ -42,6 +43,15 @@ var ErrPeerRestarted = errors.New("read: prefill peer restarted; the request's b
 // smaller values (tests, other senders) are opaque tokens that only say
 // "another process".
 const minBootEpoch = 1_500_000_000_000_000_000
+
+// bootTime reads a boot epoch as the process's start in unix nanoseconds,
+// if it is one (minBootEpoch up to the largest int64).
+func bootTime(epoch uint64) (time.Time, bool) {
+	if epoch < minBootEpoch || epoch > math.MaxInt64 {
+		return time.Time{}, false
+	}
+	return time.Unix(0, int64(epoch)), true
+}
 
 // sameProcess reports whether a and b describe the same prefill process:
 // the same boot epoch where both carry one; without epochs (seed and
@@ -85,14 +95,27 @@ func retryVerdict(f Failure, used, fresh job.Meta, admitted time.Time) error {
 		return fmt.Errorf("%w: its metadata changed (te_rpc_port %d → %d) and it sends no boot epoch to tell whether it booted before this request",
 			ErrPeerRestarted, used.TERPCPort, fresh.TERPCPort)
 	}
-	if fresh.BootEpoch < minBootEpoch {
+	if _, ok := bootTime(fresh.BootEpoch); !ok {
 		return fmt.Errorf("%w: boot epoch %d → %d is not a boot time, so whether it booted before this request cannot be told",
 			ErrPeerRestarted, used.BootEpoch, fresh.BootEpoch)
 	}
-	boot := time.Unix(0, int64(fresh.BootEpoch))
-	if !boot.Before(admitted) {
-		return fmt.Errorf("%w: boot epoch %d → %d: it booted at %s, %v after this request was admitted",
-			ErrPeerRestarted, used.BootEpoch, fresh.BootEpoch, boot.UTC().Format(time.RFC3339Nano), boot.Sub(admitted).Round(time.Microsecond))
+	if err := bootedAfter(fresh, admitted); err != nil {
+		return fmt.Errorf("boot epoch %d → %d: %w", used.BootEpoch, fresh.BootEpoch, err)
 	}
 	return nil
+}
+
+// bootedAfter is ErrPeerRestarted if m's boot epoch is a boot time (see
+// minBootEpoch) not before admitted: that process started after the job
+// was admitted, so after it was prefilled, and cannot hold its blocks (the
+// job's metadata was fetched, or re-fetched, after its prefill rank
+// restarted). Every read checks it, first attempt or retry, so such a job
+// fails instead of reading the new process's blocks in place of its own.
+func bootedAfter(m job.Meta, admitted time.Time) error {
+	boot, ok := bootTime(m.BootEpoch)
+	if !ok || boot.Before(admitted) {
+		return nil
+	}
+	return fmt.Errorf("%w: it booted at %s, %v after this request was admitted",
+		ErrPeerRestarted, boot.UTC().Format(time.RFC3339Nano), boot.Sub(admitted).Round(time.Microsecond))
 }

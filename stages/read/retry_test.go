@@ -39,6 +39,7 @@ func TestRetryVerdict(t *testing.T) {
 		{"restarted at admission", lost, old, m(17001, epochAt(0), 2<<30), false, true},
 		{"restarted after admission", lost, old, m(17001, epochAt(time.Millisecond), 2<<30), false, true},
 		{"new epoch is no boot time", lost, m(17000, 1, 1<<30), m(17001, 2, 2<<30), false, true},
+		{"new epoch past int64", lost, old, m(17001, 1<<63+5, 2<<30), false, true},
 		{"epoch gone (seed peer now)", lost, old, m(17001, 0, 2<<30), false, true},
 		{"seed peer, same process", lost, m(17000, 0, 1<<30), m(17000, 0, 1<<30), true, false},
 		{"seed peer, new port", lost, m(17000, 0, 1<<30), m(17001, 0, 1<<30), false, true},
@@ -175,6 +176,37 @@ func TestRetryOnce(t *testing.T) {
 	}
 }
 
+// A job whose rank's metadata says the process booted after the job was
+// admitted (fetched after a restart) fails before any read: that process
+// cannot hold its blocks.
+func TestBootedAfterAdmissionNotRead(t *testing.T) {
+	admitted := time.Unix(1_800_000_000, 0)
+	for _, tc := range []struct {
+		name  string
+		epoch uint64
+		read  bool
+	}{
+		{"booted before", uint64(admitted.Add(-time.Second).UnixNano()), true},
+		{"booted after", uint64(admitted.Add(time.Second).UnixNano()), false},
+		{"opaque epoch", 7, true},
+		{"no epoch", 0, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := &fakeTransfer{}
+			s := newStage(t, f, nil)
+			j := testJob(1)
+			j.Submitted, j.Metas[0].BootEpoch = admitted, tc.epoch
+			err := s.Process(context.Background(), j)
+			if tc.read != (err == nil) || !tc.read && !errors.Is(err, ErrPeerRestarted) {
+				t.Fatalf("err %v, want read %v", err, tc.read)
+			}
+			if read := f.peak.Load() > 0; read != tc.read {
+				t.Fatalf("read %v, want %v", read, tc.read)
+			}
+		})
+	}
+}
+
 // transferOnly hides a transfer's FailureClassifier.
 type transferOnly struct{ t Transfer }
 
@@ -182,12 +214,18 @@ func (t transferOnly) BatchRead(ctx context.Context, session string, ops []plan.
 	return t.t.BatchRead(ctx, session, ops)
 }
 
-// A job whose context ended (aborted, or past read.timeout) is not
-// re-fetched or read again.
+// A job whose context ended (aborted, or past read.timeout) as its read
+// failed is not re-fetched or read again.
 func TestNoRetryAfterCancel(t *testing.T) {
-	st := &sessionTransfer{live: map[string]bool{}, reads: map[string]int{}}
+	started := make(chan struct{})
+	var once sync.Once
+	tr := abortedTransfer(func(ctx context.Context) error {
+		once.Do(func() { close(started) })
+		<-ctx.Done()
+		return errLost // the connection "failed" as the abort landed
+	})
 	var refetches int
-	s, err := New(st, Options{
+	s, err := New(tr, Options{
 		Layout: plan.CacheLayout{BlockLen: []uint64{4096}, CachesPerLayer: 2},
 		Local:  plan.Caches{Base: []uint64{5 << 30, 6 << 30, 7 << 30, 8 << 30}, NumBlocks: 8},
 		Refetch: func(context.Context, *job.Job, int, job.Meta, time.Time) (job.Meta, error) {
@@ -199,11 +237,23 @@ func TestNoRetryAfterCancel(t *testing.T) {
 		t.Fatal(err)
 	}
 	j := testJob(1)
-	j.Abort(nil)
+	go func() {
+		<-started
+		j.Abort(nil)
+	}()
 	if err := s.Process(context.Background(), j); err == nil {
 		t.Fatal("aborted job read")
 	}
 	if refetches != 0 {
 		t.Fatalf("%d refetches for an aborted job", refetches)
 	}
+}
+
+// abortedTransfer is a classifying transfer whose every batch is f.
+type abortedTransfer func(ctx context.Context) error
+
+func (f abortedTransfer) BatchRead(ctx context.Context, _ string, _ []plan.Op) error { return f(ctx) }
+
+func (abortedTransfer) ClassifyFailure(err error) Failure {
+	return Failure{ConnLost: errors.Is(err, errLost)}
 }
