@@ -2,6 +2,7 @@ package node
 
 import (
 	"context"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -124,6 +125,13 @@ func TestPrefillRestartBetweenRequests(t *testing.T) {
 				t.Fatalf("request after the restart: %v", r.Err)
 			}
 			checkBytes(t, c, "after", []int{5, 6, 7}, []int{8, 9, 10})
+			// The retried request's DONE reached the new process: it frees
+			// the blocks.
+			for deadline := time.Now().Add(10 * time.Second); !slices.Contains(p2.Prefill.Finished(), "after"); time.Sleep(5 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatal("the restarted prefill never freed the retried request")
+				}
+			}
 
 			reg := c.regs[c.decode[0]]
 			if n := counter(t, reg, "kvflow_read_retries_total", map[string]string{"result": "done"}); n != 1 {
