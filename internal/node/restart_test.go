@@ -121,9 +121,11 @@ func TestPrefillRestartBetweenRequests(t *testing.T) {
 			checkBytes(t, c, "before", []int{1, 2}, []int{3, 4})
 
 			p2 := restartPrefill(t, c, 0, tc.sameTEPort)
-			if r := pull(t, c, p2, "after", []int{5, 6, 7}, []int{8, 9, 10}, true); r.Err != nil {
+			r := pull(t, c, p2, "after", []int{5, 6, 7}, []int{8, 9, 10}, true)
+			if r.Err != nil {
 				t.Fatalf("request after the restart: %v", r.Err)
 			}
+			t.Logf("request after the restart: done in %v (failed read, re-fetch, read)", r.Latency)
 			checkBytes(t, c, "after", []int{5, 6, 7}, []int{8, 9, 10})
 			// The retried request's DONE reached the new process: it frees
 			// the blocks.
@@ -142,9 +144,11 @@ func TestPrefillRestartBetweenRequests(t *testing.T) {
 			}
 			// The new process's metadata is cached: the next request reads
 			// at once, with no retry.
-			if r := pull(t, c, p2, "next", []int{11}, []int{12}, true); r.Err != nil {
+			r = pull(t, c, p2, "next", []int{11}, []int{12}, true)
+			if r.Err != nil {
 				t.Fatalf("request after the retry: %v", r.Err)
 			}
+			t.Logf("next request: done in %v", r.Latency)
 			if n := counter(t, reg, "kvflow_read_retries_total", nil); n != 1 {
 				t.Errorf("%v retries in all, want 1", n)
 			}

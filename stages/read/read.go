@@ -96,6 +96,14 @@ type Options struct {
 	// allows, the task is read once more (see retry.go). Nil: a failed
 	// read fails the job, and Invalidate drops the metadata for the next.
 	Refetch Refetcher
+	// RefetchTimeout bounds how long a read worker waits for that
+	// re-fetch (the fetch itself, shared with others, runs on to the
+	// handshake timeout). 0 = 500 ms: a restarted peer's side channel
+	// answers in well under a millisecond once the client has reconnected
+	// (ZMQ retries every 100 ms), while a peer that is gone for good must
+	// not hold read workers, which reads from live peers wait for, for a
+	// whole handshake timeout (3 × 1 s by default).
+	RefetchTimeout time.Duration
 	// BeforeRetry, if set, may refuse a retry (returning why) just before
 	// it starts, with j.Metas[task] already the re-fetched metadata: the
 	// request's deadline (decode's stale-read guard).
@@ -139,6 +147,9 @@ func New(t Transfer, opts Options) (*Stage, error) {
 	}
 	if opts.SmallBatch == 0 {
 		opts.SmallBatch = 4 << 20
+	}
+	if opts.RefetchTimeout <= 0 {
+		opts.RefetchTimeout = 500 * time.Millisecond
 	}
 	s := &Stage{t: t, opts: opts, sems: map[string]chan struct{}{}}
 	s.bytes = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_bytes_total", Help: "Bytes read from prefill ranks (successful batches)."})
@@ -239,7 +250,9 @@ func (s *Stage) recover(ctx context.Context, j *job.Job, i int, err error, f Fai
 		return err
 	}
 	used := j.Metas[i]
-	fresh, ferr := s.opts.Refetch(ctx, j, i, used, time.Now())
+	rctx, cancel := context.WithTimeoutCause(ctx, s.opts.RefetchTimeout, fmt.Errorf("read: re-fetch exceeded %v", s.opts.RefetchTimeout))
+	fresh, ferr := s.opts.Refetch(rctx, j, i, used, time.Now())
+	cancel()
 	if ferr != nil {
 		s.retries.WithLabelValues("refetch_failed").Inc()
 		return fmt.Errorf("%w; re-fetching the peer's metadata: %w", err, ferr)
