@@ -259,6 +259,23 @@ func New(o Options) (*Worker, error) {
 		Layout: o.Layout, Local: o.Local, PerSession: o.PerSession, Timeout: o.ReadTimeout, Registerer: reg,
 		BlockSize: o.BlockSize, NoFuse: o.NoFusedStitch,
 		Invalidate: func(j *job.Job, i int) { hs.Invalidate(handshake.KeyOf(j, i)) },
+		// A read that failed because its peer may have restarted re-fetches
+		// the peer's metadata (one fetch for all the reads that failed on
+		// the same metadata) and is retried once when the new process can
+		// hold the request and its deadline allows.
+		Refetch: func(ctx context.Context, j *job.Job, i int, used job.Meta, failedAt time.Time) (job.Meta, error) {
+			return hs.Refetch(ctx, handshake.KeyOf(j, i), used, failedAt)
+		},
+		BeforeRetry: func(j *job.Job, i int) error {
+			if o.PeerAbortTimeout <= 0 {
+				return nil
+			}
+			if err := staleTask(j, i, o.PeerAbortTimeout, time.Now(), o.Renewer != nil); err != nil {
+				w.stale.Inc()
+				return err
+			}
+			return nil
+		},
 	})
 	if err != nil {
 		return nil, err
@@ -534,18 +551,23 @@ func (s staleGuard) Process(ctx context.Context, j *job.Job) error {
 // started its own timer before j was admitted here) and given them to
 // another request.
 func staleRead(j *job.Job, abort time.Duration, now time.Time, renewing bool) error {
-	age := now.Sub(j.Submitted)
-	if abort <= 0 || age <= abort {
-		return nil
-	}
 	for i := range j.Plan.Tasks {
-		if renewing && j.Metas[i].LeaseTTL > 0 {
-			continue
+		if err := staleTask(j, i, abort, now, renewing); err != nil {
+			return err
 		}
-		return fmt.Errorf("%w: task %d (%s): read started %v after admission, past the prefill's abort timeout %v; blocks may have been freed",
-			ErrStaleRead, i, j.HandshakeEndpoint(i), age.Round(time.Millisecond), abort)
 	}
 	return nil
+}
+
+// staleTask is staleRead for task i alone (a read retried after its peer
+// restarted: j.Metas[i] is the re-fetched metadata).
+func staleTask(j *job.Job, i int, abort time.Duration, now time.Time, renewing bool) error {
+	age := now.Sub(j.Submitted)
+	if abort <= 0 || age <= abort || renewing && j.Metas[i].LeaseTTL > 0 {
+		return nil
+	}
+	return fmt.Errorf("%w: task %d (%s): read started %v after admission, past the prefill's abort timeout %v; blocks may have been freed",
+		ErrStaleRead, i, j.HandshakeEndpoint(i), age.Round(time.Millisecond), abort)
 }
 
 func (w *Worker) sink(r pipeline.Result[*job.Job]) {

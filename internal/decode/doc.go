@@ -48,6 +48,13 @@
 // safety net, not a guarantee: the prefill's timer starts before the
 // decode's admission, and a read may start in time and still run past it.
 //
+// Prefill restarts: a read that failed because its rank may have restarted
+// re-fetches the rank's metadata (one GET_META for all the requests that
+// failed on the same metadata) and is read once more when the new process
+// booted before the request's admission and the stale-read guard allows
+// (stages/read's retry.go); a request admitted before its rank restarted
+// fails with read.ErrPeerRestarted.
+//
 // The package wires stages; it owns no sockets or memory of its own (those
 // are injected as the stages' interfaces).
 package decode

@@ -86,7 +86,8 @@ var ErrFailedWhileWaiting = errors.New("handshake: peer's fetch failed while the
 type entry struct {
 	key   Key
 	meta  job.Meta
-	stale bool // invalidated: a miss, kept to compare the next boot epoch
+	stale bool      // invalidated: a miss, kept to compare the next boot epoch
+	at    time.Time // when meta was fetched (Refetch)
 }
 
 // NewCache makes a cache over f.
@@ -173,6 +174,11 @@ func (c *Cache) GetSince(ctx context.Context, k Key, since time.Time) (job.Meta,
 	}
 	c.misses.Inc()
 	ch := c.sf.DoChan(k.EngineID+"\x00"+k.Endpoint, func() (any, error) {
+		// A fetch that landed between the lookup above and this flight
+		// is this caller's answer too (one fetch per miss, not two).
+		if m, ok := c.lookup(k); ok {
+			return m, nil
+		}
 		// The fetch must not die with the first caller's context: others
 		// share it. It is bounded by the timeout instead.
 		fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.opts.Timeout)
@@ -277,11 +283,11 @@ func (c *Cache) store(k Key, m job.Meta) {
 		if old := e.meta.BootEpoch; old != 0 && m.BootEpoch != 0 && old != m.BootEpoch {
 			c.restarts.Inc() // the peer restarted: its addresses are new
 		}
-		e.meta, e.stale = m, false
+		e.meta, e.stale, e.at = m, false, c.opts.Now()
 		c.lru.MoveToFront(el)
 		return
 	}
-	c.idx[k] = c.lru.PushFront(&entry{key: k, meta: m})
+	c.idx[k] = c.lru.PushFront(&entry{key: k, meta: m, at: c.opts.Now()})
 	for c.lru.Len() > c.opts.Size {
 		old := c.lru.Back()
 		c.lru.Remove(old)

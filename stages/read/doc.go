@@ -27,9 +27,33 @@
 //
 // A per-session limit (the remote prefill rank's transfer-engine endpoint)
 // bounds how many batches run against one peer, so one slow prefill rank
-// cannot take every worker: jobs for other peers keep moving. A failed read
-// invalidates the peer's cached metadata (it may have restarted with new
-// addresses) so the next job re-fetches it.
+// cannot take every worker: jobs for other peers keep moving.
+//
+// Peer restarts (retry.go). A prefill rank that restarts keeps its
+// side-channel port but gets a new transfer-engine port, new cache
+// addresses and a new boot epoch, while decode workers still cache the old
+// metadata. When a batch fails (not by the job's own cancellation or
+// timeout) and the Transfer can tell how (FailureClassifier), the stage
+// re-fetches the rank's metadata through Options.Refetch (the handshake
+// cache: one fetch for all the reads that failed on the same metadata) and
+// reads the task once more with it if retryVerdict allows: the same
+// process after a lost connection (it still holds the job's blocks), or a
+// new process whose boot epoch, a boot time in unix nanoseconds as kvflow
+// sends it, is before the job's admission, with no op of the failed batch
+// landed (else the old process was serving during this job's read: the
+// job was there). Options.BeforeRetry (decode's stale-read guard) may
+// still refuse. Otherwise the job fails; when the rank restarted after the
+// job's admission, with ErrPeerRestarted (its blocks were lost with the old
+// process). Every read also refuses metadata whose boot epoch is after the
+// job's admission, so a job whose metadata was first fetched after its
+// rank restarted fails rather than reading the new process's blocks in
+// place of its own. Limit: between a restart and a job's admission the
+// stage cannot tell whether the old or the new process prefilled it (the
+// request carries no epoch); a job prefilled by the old process and
+// admitted after the new one booted is read from the new one, which then
+// refuses (read grants) or serves whatever those block ids hold.
+// Without a FailureClassifier or Refetch, a failed read only invalidates
+// the peer's cached metadata so the next job re-fetches it.
 //
 // Byte ledger: when the transfer also reports the bytes that landed per op
 // (ReadsLedgerTransfer or LedgerTransfer), the stage reconciles them with

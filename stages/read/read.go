@@ -90,6 +90,24 @@ type Options struct {
 	// slot to the last byte; 0 = none beyond the engine's I/O timeout.
 	Timeout    time.Duration
 	Invalidate Invalidator
+	// Refetch, with a Transfer that is a FailureClassifier, turns on the
+	// retry of a read that failed because its peer may have restarted:
+	// the task's metadata is re-fetched through it and, when retryVerdict
+	// allows, the task is read once more (see retry.go). Nil: a failed
+	// read fails the job, and Invalidate drops the metadata for the next.
+	Refetch Refetcher
+	// RefetchTimeout bounds how long a read worker waits for that
+	// re-fetch (the fetch itself, shared with others, runs on to the
+	// handshake timeout). 0 = 500 ms: a restarted peer's side channel
+	// answers in well under a millisecond once the client has reconnected
+	// (ZMQ retries every 100 ms), while a peer that is gone for good must
+	// not hold read workers, which reads from live peers wait for, for a
+	// whole handshake timeout (3 × 1 s by default).
+	RefetchTimeout time.Duration
+	// BeforeRetry, if set, may refuse a retry (returning why) just before
+	// it starts, with j.Metas[task] already the re-fetched metadata: the
+	// request's deadline (decode's stale-read guard).
+	BeforeRetry func(j *job.Job, task int) error
 	// BlockSize is the tokens per block (block_size). With a
 	// StridedTransfer and P > 1 the stage reads every block straight into
 	// its stitched layout and marks the job Stitched; 0, NoFuse, or a
@@ -102,8 +120,9 @@ type Options struct {
 
 // Stage is the read stage.
 type Stage struct {
-	t    Transfer
-	opts Options
+	t        Transfer
+	opts     Options
+	classify FailureClassifier // nil: the transfer cannot tell; no retry
 
 	mu   sync.Mutex
 	sems map[string]chan struct{}
@@ -112,6 +131,7 @@ type Stage struct {
 	shortfalls           prometheus.Counter
 	fused                prometheus.Counter
 	waiting              prometheus.Gauge
+	retries              *prometheus.CounterVec
 }
 
 // New makes the stage.
@@ -128,6 +148,9 @@ func New(t Transfer, opts Options) (*Stage, error) {
 	if opts.SmallBatch == 0 {
 		opts.SmallBatch = 4 << 20
 	}
+	if opts.RefetchTimeout <= 0 {
+		opts.RefetchTimeout = 500 * time.Millisecond
+	}
 	s := &Stage{t: t, opts: opts, sems: map[string]chan struct{}{}}
 	s.bytes = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_bytes_total", Help: "Bytes read from prefill ranks (successful batches)."})
 	s.ops = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_ops_total", Help: "Transfer ops posted (successful batches)."})
@@ -135,8 +158,15 @@ func New(t Transfer, opts Options) (*Stage, error) {
 	s.shortfalls = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_ledger_shortfalls_total", Help: "Batches that reported success but whose byte ledger showed ops not fully landed (the job fails)."})
 	s.fused = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_fused_stitch_jobs_total", Help: "Jobs whose blocks were read straight into their stitched layout (head transpose fused into the read; the stitch stage skips them)."})
 	s.waiting = prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvflow_read_session_waiting", Help: "Batches waiting for their session's concurrency limit."})
+	s.retries = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvflow_read_retries_total",
+		Help: "Failed reads after which the peer's metadata was re-fetched, by result: done (read again and landed), failed (read again and failed), refused (not read again: the peer restarted after the request, part of the batch had landed, the failure was not a lost connection, or the request's deadline had passed), refetch_failed."},
+		[]string{"result"})
+	for _, r := range []string{"done", "failed", "refused", "refetch_failed"} {
+		s.retries.WithLabelValues(r)
+	}
+	s.classify, _ = t.(FailureClassifier)
 	if opts.Registerer != nil {
-		for _, c := range []prometheus.Collector{s.bytes, s.ops, s.failures, s.shortfalls, s.fused, s.waiting} {
+		for _, c := range []prometheus.Collector{s.bytes, s.ops, s.failures, s.shortfalls, s.fused, s.waiting, s.retries} {
 			if err := opts.Registerer.Register(c); err != nil {
 				return nil, fmt.Errorf("read: register metrics: %w", err)
 			}
@@ -190,8 +220,82 @@ func (s *Stage) fuses(pl plan.Plan) bool {
 var readsPool = sync.Pool{New: func() any { return new(plan.Reads) }}
 
 func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
+	if s.opts.Timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeoutCause(ctx, s.opts.Timeout, fmt.Errorf("read: task %d exceeded read.timeout %v", i, s.opts.Timeout))
+		defer cancel()
+	}
+	err, batchErr := s.attempt(ctx, j, i)
+	if batchErr == nil {
+		return err
+	}
+	if ctx.Err() != nil {
+		return err
+	}
+	if s.classify == nil || s.opts.Refetch == nil {
+		s.invalidate(j, i)
+		return err
+	}
+	return s.recover(ctx, j, i, err, s.classify.ClassifyFailure(batchErr))
+}
+
+// recover handles task i's failed batch (err; f, how it failed): it
+// re-fetches the rank's metadata (shared with every read that failed on
+// the same metadata) and, when retryVerdict and Options.BeforeRetry allow,
+// reads once more with it.
+func (s *Stage) recover(ctx context.Context, j *job.Job, i int, err error, f Failure) error {
+	if f.Moved { // the peer was there: no restart lost this read; not retried
+		s.invalidate(j, i)
+		s.retries.WithLabelValues("refused").Inc()
+		return err
+	}
+	used := j.Metas[i]
+	rctx, cancel := context.WithTimeoutCause(ctx, s.opts.RefetchTimeout, fmt.Errorf("read: re-fetch exceeded %v", s.opts.RefetchTimeout))
+	fresh, ferr := s.opts.Refetch(rctx, j, i, used, time.Now())
+	cancel()
+	if ferr != nil {
+		s.retries.WithLabelValues("refetch_failed").Inc()
+		return fmt.Errorf("%w; re-fetching the peer's metadata: %w", err, ferr)
+	}
+	// The rank's metadata as it is now: what notify's DONE must follow too.
+	j.Metas[i] = fresh
+	v := retryVerdict(f, used, fresh, j.Submitted)
+	if v == nil && s.opts.BeforeRetry != nil {
+		v = s.opts.BeforeRetry(j, i)
+	}
+	if v != nil {
+		s.retries.WithLabelValues("refused").Inc()
+		if errors.Is(v, ErrPeerRestarted) {
+			return fmt.Errorf("%w; %w", v, err)
+		}
+		return fmt.Errorf("%w; not read again: %w", err, v)
+	}
+	if err2, _ := s.attempt(ctx, j, i); err2 != nil {
+		s.retries.WithLabelValues("failed").Inc()
+		if ctx.Err() == nil {
+			s.invalidate(j, i)
+		}
+		return fmt.Errorf("%w; retried once with the peer's re-fetched metadata (boot epoch %d → %d): %w", err, used.BootEpoch, fresh.BootEpoch, err2)
+	}
+	s.retries.WithLabelValues("done").Inc()
+	return nil
+}
+
+func (s *Stage) invalidate(j *job.Job, i int) {
+	if s.opts.Invalidate != nil {
+		s.opts.Invalidate(j, i)
+	}
+}
+
+// attempt reads task i of j with j.Metas[i] once. batchErr is the
+// transfer's own error when the batch itself failed (nil for a failure
+// before it, or success).
+func (s *Stage) attempt(ctx context.Context, j *job.Job, i int) (err, batchErr error) {
 	t := j.Plan.Tasks[i]
 	m := j.Metas[i]
+	if err := bootedAfter(m, j.Submitted); err != nil {
+		return fmt.Errorf("read task %d (rank %d): %w", i, t.RemoteRank, err), nil
+	}
 	rd := readsPool.Get().(*plan.Reads)
 	defer func() {
 		rd.Reset() // drop the references to the job's lists
@@ -201,21 +305,14 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 		// The remote metadata may be what is wrong (a restarted peer with
 		// fewer blocks or other caches): drop it so the next job re-fetches
 		// instead of failing on the cached copy for ever.
-		if s.opts.Invalidate != nil {
-			s.opts.Invalidate(j, i)
-		}
-		return fmt.Errorf("read task %d (rank %d): %w", i, t.RemoteRank, err)
+		s.invalidate(j, i)
+		return fmt.Errorf("read task %d (rank %d): %w", i, t.RemoteRank, err), nil
 	}
 	nops := rd.Len()
 	if nops == 0 {
-		return nil
+		return nil, nil
 	}
 	session := j.Session(i)
-	if s.opts.Timeout > 0 {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeoutCause(ctx, s.opts.Timeout, fmt.Errorf("read: task %d exceeded read.timeout %v", i, s.opts.Timeout))
-		defer cancel()
-	}
 	n := rd.Bytes()
 	if n > s.opts.SmallBatch {
 		sem := s.sem(session)
@@ -228,23 +325,20 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 				s.waiting.Dec()
 			case <-ctx.Done():
 				s.waiting.Dec()
-				return fmt.Errorf("read task %d session %s: %w", i, session, context.Cause(ctx))
+				return fmt.Errorf("read task %d session %s: %w", i, session, context.Cause(ctx)), nil
 			}
 		}
 		defer func() { <-sem }()
 	}
 	if err := s.batch(ctx, session, rd, j.Stitched); err != nil {
 		s.failures.Inc()
-		if s.opts.Invalidate != nil && ctx.Err() == nil {
-			s.opts.Invalidate(j, i)
-		}
-		return fmt.Errorf("read task %d (rank %d) session %s, %d ops: %w", i, t.RemoteRank, session, nops, err)
+		return fmt.Errorf("read task %d (rank %d) session %s, %d ops: %w", i, t.RemoteRank, session, nops, err), err
 	}
 	j.BytesRead.Add(n)
 	j.OpsRead.Add(uint64(nops))
 	s.bytes.Add(float64(n))
 	s.ops.Add(float64(nops))
-	return nil
+	return nil, nil
 }
 
 // batch runs rd's ops, handing the compact form to a ReadsTransfer (which
