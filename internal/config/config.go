@@ -288,7 +288,10 @@ type Tracker struct {
 // Shutdown configures the two-phase shutdown.
 type Shutdown struct {
 	// DrainTimeout is how long accepted requests may take to finish after
-	// SIGTERM before the rest are canceled; 0 cancels at once.
+	// SIGTERM: on a decode worker, before the rest are canceled; on a
+	// prefill worker (which refuses new sends at once), how long it keeps
+	// serving GET_META, reads and DONEs for the requests it holds before it
+	// stops. 0 stops at once.
 	DrainTimeout Duration `json:"drain_timeout"`
 }
 
@@ -440,7 +443,10 @@ func Default() Config {
 		},
 		Shutdown: Shutdown{
 			// Inside Kubernetes' default 30 s termination grace period,
-			// leaving 5 s to report and close.
+			// leaving 5 s to report and close. On a prefill worker it is
+			// the time a decode has to finish reading what the worker
+			// holds: a request's reads take milliseconds to seconds, so
+			// 25 s lets a rolling restart fail none but the stuck ones.
 			DrainTimeout: Duration(25 * time.Second),
 		},
 		Log: Log{
