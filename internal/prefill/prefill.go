@@ -188,7 +188,7 @@ func (w *Worker) send(r SendRequest) error {
 	now := w.now()
 	if limit := float64(now.Add(MaxClockSkew).UnixNano()) / 1e9; r.DelayStartTime > limit {
 		w.sends.WithLabelValues("rejected").Inc()
-		return fmt.Errorf("send %q: delay_start_time: %v is %.0f s in the future (now %.3f; at most %v of clock skew is allowed)",
+		return fmt.Errorf("send %q: delay_start_time: %v is %.6g s in the future (now %.3f; at most %v of clock skew is allowed)",
 			r.RequestID, r.DelayStartTime, r.DelayStartTime-float64(now.UnixNano())/1e9, float64(now.UnixNano())/1e9, MaxClockSkew)
 	}
 	if _, _, held := w.tr.Held(r.RequestID); held {
