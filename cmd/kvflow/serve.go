@@ -121,6 +121,19 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 	log.Info("shutting down: draining in-flight requests", "deadline", drain)
 	dctx, cancel := context.WithTimeout(context.Background(), drain)
 	defer cancel()
+	// A prefill worker refuses new sends from now on and keeps its side
+	// channel (GET_META, DONE, RENEW), its transfer engine and its control
+	// socket serving until every held request is DONE'd, aborted or
+	// force-freed and the engine collected it — or the deadline passes —
+	// so that a rolling restart fails no request a decode is reading.
+	if n.Prefill != nil {
+		log.Info("draining: new sends refused; serving reads and DONEs of the held requests", "held", n.Prefill.Status()["held"])
+		if err := n.Prefill.Drain(dctx, collectWait); err != nil {
+			log.Warn("drain deadline passed: the requests still held will fail on their decode", "err", err)
+		} else {
+			log.Info("drained: no request held")
+		}
+	}
 	// Phase one and two: the decode pipeline stops intake, drains until the
 	// deadline, then cancels what is left (each such request still ends,
 	// as failed). The control socket keeps answering meanwhile so the
@@ -131,7 +144,7 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 			log.Warn("drain deadline passed; remaining requests canceled", "err", err)
 		}
 		// Give the engine one poll interval to collect the last results.
-		waitCollected(n.Decode, 2*time.Second)
+		waitCollected(n.Decode, collectWait)
 	}
 	_ = ctl
 	// The pipeline's drain error (deadline passed) was logged above: the
@@ -142,6 +155,11 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 	log.Info("stopped")
 	return errors.Join(errs...)
 }
+
+// collectWait is how long a stopping worker waits, once its last request
+// ended, for the engine to collect the results with a finished poll (an
+// engine polls every step: milliseconds).
+const collectWait = 2 * time.Second
 
 func waitCollected(w *decode.Worker, max time.Duration) {
 	deadline := time.Now().Add(max)

@@ -272,11 +272,11 @@ type Tracker struct {
 	// LeaseTTL turns leases on (prefill; 0 = off): the side channel's
 	// metadata advertises it and kvflow decode workers renew the requests
 	// they are still pulling every LeaseTTL/3. A renewed request is
-	// force-freed only when both its abort timeout and LeaseTTL since its
-	// last renewal passed, so a short abort_request_timeout no longer frees
-	// blocks a live kvflow decode still reads, and a dead decode's blocks
-	// are freed LeaseTTL after its last renewal. Seed decode workers never
-	// renew: for them abort_request_timeout alone applies, as in the seed.
+	// force-freed LeaseTTL after its last renewal, whatever its abort
+	// timeout: a short abort_request_timeout no longer frees blocks a live
+	// kvflow decode still reads, and a dead decode's blocks are freed
+	// LeaseTTL after its last renewal. Requests never renewed (seed decode
+	// workers never renew) keep abort_request_timeout, as in the seed.
 	LeaseTTL Duration `json:"lease_ttl"`
 	// BatchDone (prefill) advertises batched DONEs in the metadata, so
 	// kvflow decode workers send their DONEs to this worker several per
@@ -288,7 +288,10 @@ type Tracker struct {
 // Shutdown configures the two-phase shutdown.
 type Shutdown struct {
 	// DrainTimeout is how long accepted requests may take to finish after
-	// SIGTERM before the rest are canceled; 0 cancels at once.
+	// SIGTERM: on a decode worker, before the rest are canceled; on a
+	// prefill worker (which refuses new sends at once), how long it keeps
+	// serving GET_META, reads and DONEs for the requests it holds before it
+	// stops. 0 stops at once.
 	DrainTimeout Duration `json:"drain_timeout"`
 }
 
@@ -428,10 +431,8 @@ func Default() Config {
 			// prefill rank) however many requests, so the cost is nil;
 			// a lease survives two lost renewals (each a side-channel call
 			// of at most 3 × 1 s), and a dead decode's blocks come back
-			// 10 s after its last renewal once the abort timeout is
-			// lowered. With the 480 s default the abort timeout still
-			// decides for dead decodes; leases only keep a live slow one
-			// from being force-freed.
+			// 10 s after its last renewal, whatever the abort timeout
+			// (which still applies to requests never renewed).
 			LeaseTTL: Duration(10 * time.Second),
 			// Fewer side-channel round trips under load (16 concurrent
 			// DONEs to one peer: 0.43 messages per DONE), no added
@@ -440,7 +441,10 @@ func Default() Config {
 		},
 		Shutdown: Shutdown{
 			// Inside Kubernetes' default 30 s termination grace period,
-			// leaving 5 s to report and close.
+			// leaving 5 s to report and close. On a prefill worker it is
+			// the time a decode has to finish reading what the worker
+			// holds: a request's reads take milliseconds to seconds, so
+			// 25 s lets a rolling restart fail none but the stuck ones.
 			DrainTimeout: Duration(25 * time.Second),
 		},
 		Log: Log{

@@ -16,6 +16,11 @@
 // results of load/send are in "errors" (nil = accepted), index-aligned with
 // the request list (absent when the list is empty). abort answers
 // "aborted" (how many ids the worker knew), status "role" and "status".
+// A send's request gets its own error (package prefill) when its
+// delay_start_time is not finite, negative or more than 60 s in the future
+// (prefill.MaxClockSkew), when its request_id is already held (sent and
+// not freed yet), when a block id is out of range, and when the worker is
+// draining after SIGTERM (prefill.ErrDraining: send it elsewhere).
 // Unknown ops, malformed msgpack and ill-typed fields get an error reply;
 // the server keeps serving. Unknown map keys are ignored so clients can add
 // fields. Required, as the seed reads them: request_id of every request;

@@ -12,10 +12,21 @@
 //
 // Leases (Options.LeaseTTL > 0, kvflow ↔ kvflow): GET_META advertises the
 // TTL in the metadata extension (lease_ttl_ms), the worker takes RENEW, and
-// a held request renewed at t is not force-freed before max(start +
-// AbortTimeout, t + LeaseTTL) (package tracker). Seed decode workers never
-// renew, so for them nothing changes; the abort timeout can be short
-// without freeing blocks a live kvflow decode still reads.
+// a held request last renewed at t is force-freed after t + LeaseTTL,
+// whatever its abort timeout (package tracker), counted in
+// kvflow_prefill_lease_expired_total. Seed decode workers never renew, so
+// for them the abort timeout applies as before; it can be short without
+// freeing blocks a live kvflow decode still reads.
+//
+// Sends are validated per request: delay_start_time finite, not negative,
+// at most MaxClockSkew in the future; a request id already held is refused
+// (the seed would refresh its start; an engine sends a request once).
+//
+// Drain (the first phase of shutdown, cmd/kvflow serve on SIGTERM):
+// every later send is refused with ErrDraining while GET_META, reads,
+// DONEs, renewals, aborts and finished polls go on; Drain returns when
+// nothing is held and the engine collected the freed requests, or at the
+// caller's deadline. It never frees a request itself.
 //
 // The package answers every DONE (known, unknown or duplicate) with ACK, as
 // the seed does, and counts the unknown and duplicate ones; it never frees

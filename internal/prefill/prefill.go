@@ -1,11 +1,13 @@
 package prefill
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"math"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -51,6 +53,17 @@ type Options struct {
 	Logger      *slog.Logger
 }
 
+// MaxClockSkew is how far in the future a send's delay_start_time may lie:
+// the engine's clock and this worker's may disagree a little (NTP keeps
+// hosts within milliseconds; a minute covers a badly synced one), but a
+// start further ahead is not a time the engine took, and would keep the
+// request from expiring for as long.
+const MaxClockSkew = 60 * time.Second
+
+// ErrDraining is the error of every send to a worker that is draining
+// (Drain: it is shutting down and takes no new requests).
+var ErrDraining = errors.New("prefill: draining (shutting down): new requests are refused; send them to another prefill worker")
+
 // Worker is one prefill worker's side of the transfer.
 type Worker struct {
 	opts Options
@@ -58,14 +71,19 @@ type Worker struct {
 	tr   *tracker.Tracker
 	now  func() time.Time
 
+	// sendMu makes each send's check (held already?) and hold one step.
+	sendMu   sync.Mutex
+	draining atomic.Bool
+
 	mu     sync.Mutex
 	blocks map[string][]int // granted blocks by request
 
-	sends    *prometheus.CounterVec
-	dones    *prometheus.CounterVec
-	renews   *prometheus.CounterVec
-	freed    *prometheus.CounterVec
-	heldGage prometheus.GaugeFunc
+	sends     *prometheus.CounterVec
+	dones     *prometheus.CounterVec
+	renews    *prometheus.CounterVec
+	freed     *prometheus.CounterVec
+	leaseEnds prometheus.Counter
+	heldGage  prometheus.GaugeFunc
 }
 
 // New makes the worker.
@@ -107,20 +125,24 @@ func New(o Options) (*Worker, error) {
 	}, []string{"result"})
 	w.freed = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_prefill_freed_total",
-		Help: "Requests whose blocks were released, by reason (done, not_transfer, expired = force-freed at the abort timeout, aborted).",
+		Help: "Requests whose blocks were released, by reason (done, not_transfer, expired = force-freed at the abort timeout or at the end of a lease, aborted).",
 	}, []string{"reason"})
+	w.leaseEnds = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvflow_prefill_lease_expired_total",
+		Help: "Requests force-freed one lease TTL after their last renewal (their decode stopped renewing: dead or cut off); also counted in kvflow_prefill_freed_total{reason=\"expired\"}.",
+	})
 	w.heldGage = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "kvflow_prefill_delayed_requests",
 		Help: "Requests whose blocks are held waiting for DONE.",
 	}, func() float64 { return float64(w.tr.Len()) })
 	if o.Registerer != nil {
-		for _, c := range []prometheus.Collector{w.sends, w.dones, w.renews, w.freed, w.heldGage} {
+		for _, c := range []prometheus.Collector{w.sends, w.dones, w.renews, w.freed, w.leaseEnds, w.heldGage} {
 			if err := o.Registerer.Register(c); err != nil {
 				return nil, fmt.Errorf("prefill: register metrics: %w", err)
 			}
 		}
 	}
-	for _, d := range []string{"delayed", "immediate", "rejected"} {
+	for _, d := range []string{"delayed", "immediate", "rejected", "draining"} {
 		w.sends.WithLabelValues(d)
 	}
 	for _, r := range []string{"done", "not_transfer", "expired", "aborted"} {
@@ -137,8 +159,12 @@ func (w *Worker) Metadata() sidechannel.Metadata { return w.opts.Metadata }
 
 // Send registers requests whose blocks are held for decode. For each, this
 // worker either waits for the expected DONEs (a decode rank reads from it)
-// or reports it finished at once.
+// or reports it finished at once. Each request gets its own error (nil:
+// accepted): a bad field, a request id already held, or a worker that is
+// draining (ErrDraining).
 func (w *Worker) Send(reqs []SendRequest) []error {
+	w.sendMu.Lock()
+	defer w.sendMu.Unlock()
 	errs := make([]error, len(reqs))
 	for i, r := range reqs {
 		errs[i] = w.send(r)
@@ -147,13 +173,27 @@ func (w *Worker) Send(reqs []SendRequest) []error {
 }
 
 func (w *Worker) send(r SendRequest) error {
+	if w.draining.Load() {
+		w.sends.WithLabelValues("draining").Inc()
+		return fmt.Errorf("send %q: %w", r.RequestID, ErrDraining)
+	}
 	if r.RequestID == "" {
 		w.sends.WithLabelValues("rejected").Inc()
 		return errors.New("send: request_id: empty")
 	}
 	if math.IsNaN(r.DelayStartTime) || math.IsInf(r.DelayStartTime, 0) || r.DelayStartTime < 0 {
 		w.sends.WithLabelValues("rejected").Inc()
-		return fmt.Errorf("send %q: delay_start_time: %v is not a time", r.RequestID, r.DelayStartTime)
+		return fmt.Errorf("send %q: delay_start_time: %v is not a time (want seconds since the Unix epoch, or 0 for now)", r.RequestID, r.DelayStartTime)
+	}
+	now := w.now()
+	if limit := float64(now.Add(MaxClockSkew).UnixNano()) / 1e9; r.DelayStartTime > limit {
+		w.sends.WithLabelValues("rejected").Inc()
+		return fmt.Errorf("send %q: delay_start_time: %v is %.6g s in the future (now %.3f; at most %v of clock skew is allowed)",
+			r.RequestID, r.DelayStartTime, r.DelayStartTime-float64(now.UnixNano())/1e9, float64(now.UnixNano())/1e9, MaxClockSkew)
+	}
+	if _, _, held := w.tr.Held(r.RequestID); held {
+		w.sends.WithLabelValues("rejected").Inc()
+		return fmt.Errorf("send %q: request_id: already held (sent before and not freed yet): a request is sent once", r.RequestID)
 	}
 	for _, b := range r.BlockIDs {
 		if b < 0 || b >= w.opts.Metadata.NumBlocks {
@@ -161,7 +201,7 @@ func (w *Worker) send(r SendRequest) error {
 			return fmt.Errorf("send %q: block_ids: %d out of range [0, %d)", r.RequestID, b, w.opts.Metadata.NumBlocks)
 		}
 	}
-	start := w.now()
+	start := now
 	if r.DelayStartTime > 0 {
 		sec, frac := math.Modf(r.DelayStartTime)
 		start = time.Unix(int64(sec), int64(frac*1e9))
@@ -258,13 +298,67 @@ func (w *Worker) Finished() []string {
 	for _, f := range freed {
 		ids = append(ids, f.ID)
 		w.freed.WithLabelValues(f.Reason.String()).Inc()
-		if f.Reason == tracker.ReasonExpired {
+		switch {
+		case f.Reason == tracker.ReasonExpired && f.Lease:
+			w.leaseEnds.Inc()
+			w.log.Warn("request force-freed at the end of its lease: its decode stopped renewing", "request_id", f.ID, "lease_ttl", w.opts.LeaseTTL)
+		case f.Reason == tracker.ReasonExpired:
 			w.log.Warn("request force-freed at the abort timeout", "request_id", f.ID, "timeout", w.opts.AbortTimeout, "lease_ttl", w.opts.LeaseTTL)
 		}
 		w.revoke(f.ID)
 	}
 	return ids
 }
+
+// drainPoll is how often Drain looks at what is still held: small against
+// a read's duration, nothing against the CPU (one mutex per poll).
+const drainPoll = 10 * time.Millisecond
+
+// Drain is the first phase of a prefill worker's shutdown: from now on
+// every send is refused (ErrDraining), while GET_META, the transfer
+// engine's reads, DONEs, aborts, renewals and the engine's finished polls
+// go on as before (the caller keeps them serving). It returns once no
+// request is held any more — each DONE'd, aborted or force-freed (at its
+// abort timeout or lease end, by a Finished call) — and the engine has
+// collected every freed request with Finished, or collect has passed since
+// the last one was freed; or with an error naming how many are still held
+// when ctx ends first (the drain deadline). It never frees anything
+// itself.
+func (w *Worker) Drain(ctx context.Context, collect time.Duration) error {
+	// Under sendMu: a send in progress finishes (and its request is held)
+	// before the first look below; every later one is refused.
+	w.sendMu.Lock()
+	w.draining.Store(true)
+	w.sendMu.Unlock()
+	t := time.NewTicker(drainPoll)
+	defer t.Stop()
+	var emptySince time.Time
+	for {
+		st := w.tr.Stats()
+		if st.Held == 0 {
+			if st.Pending == 0 {
+				return nil
+			}
+			if emptySince.IsZero() {
+				emptySince = time.Now()
+			} else if time.Since(emptySince) >= collect {
+				w.log.Warn("drained; the engine did not collect every freed request", "uncollected", st.Pending)
+				return nil
+			}
+		}
+		select {
+		case <-ctx.Done():
+			if st.Held == 0 {
+				return nil
+			}
+			return fmt.Errorf("prefill: drain: %d requests still held: %w", st.Held, ctx.Err())
+		case <-t.C:
+		}
+	}
+}
+
+// Draining reports whether Drain has begun.
+func (w *Worker) Draining() bool { return w.draining.Load() }
 
 func (w *Worker) revoke(id string) {
 	if w.opts.Grants == nil {
@@ -281,10 +375,13 @@ func (w *Worker) revoke(id string) {
 	}
 }
 
-// Status is a snapshot for the control socket.
+// Status is a snapshot for the control socket: held requests (leased: those
+// a decode renewed), freed ones the engine has not collected yet
+// (uncollected), and whether the worker is draining.
 func (w *Worker) Status() map[string]any {
-	return map[string]any{"held": w.tr.Len(), "engine_id": w.opts.Metadata.EngineID,
-		"num_blocks": w.opts.Metadata.NumBlocks, "te_rpc_port": w.opts.Metadata.TERPCPort}
+	st := w.tr.Stats()
+	return map[string]any{"held": st.Held, "leased": st.Leased, "uncollected": st.Pending, "draining": w.draining.Load(),
+		"engine_id": w.opts.Metadata.EngineID, "num_blocks": w.opts.Metadata.NumBlocks, "te_rpc_port": w.opts.Metadata.TERPCPort}
 }
 
 // earlyQuorum is how many early DONEs (DONEs before the engine's send)

@@ -107,17 +107,21 @@
 // metadata and kvflow decode workers send RENEW for the requests they are
 // still pulling, every LeaseTTL/3. Renew(id, now) moves a held request's
 // lease end to now + LeaseTTL (never backwards). A renewed request is
-// force-freed when now > max(start + AbortTimeout, lastRenew + LeaseTTL):
+// force-freed when now > lastRenew + LeaseTTL (Freed.Lease,
+// Stats.LeaseExpired), whatever its start:
 //
-//   - the abort timeout stays a floor: a Renew never frees earlier than
-//     without leases, and a request never renewed (a seed decode, or a
-//     decode that never reached it) expires at the abort timeout as in the
-//     seed;
+//   - a request never renewed (a seed decode, or a decode that never
+//     reached it) expires at the abort timeout, as in the seed;
 //   - a live decode that keeps renewing keeps its blocks however slow its
 //     reads, so the abort timeout can be short (it then only has to cover
 //     the time until the decode's first Renew: its queue and handshake);
 //   - a decode that dies stops renewing: its requests are force-freed
-//     LeaseTTL after its last Renew (or at the abort timeout, if later).
+//     LeaseTTL after its last Renew, even when that is long before the
+//     abort timeout. (Until #18 the abort timeout was a floor here, so with
+//     the default 480 s, or a 600 s config, a killed decode's blocks stayed
+//     held for the whole abort timeout: the lease only ever lengthened a
+//     hold.) A Renew is a decode's word that it is alive and still
+//     reading; once it has given it, its silence is what frees.
 //
 // Renewed requests leave the seed's head-of-line scan: they are kept in
 // order of last renewal, so a live lease at the head never holds back the

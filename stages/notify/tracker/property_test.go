@@ -179,8 +179,14 @@ func lifecycles(t *testing.T, seed uint64) {
 					t.Fatalf("%s aborted without Abort", r.id)
 				}
 			case ReasonExpired:
-				if !r.armed || at(now).Sub(r.lastStart) <= timeout*time.Second || r.dones >= r.n {
-					t.Fatalf("%s expired wrongly: armed %v, now %v start %v, dones %d/%d", r.id, r.armed, now, r.lastStart, r.dones, r.n)
+				if !r.armed || r.dones >= r.n {
+					t.Fatalf("%s expired wrongly: armed %v, dones %d/%d", r.id, r.armed, r.dones, r.n)
+				}
+				if f.Lease != !r.lastRenew.IsZero() {
+					t.Fatalf("%s expired with Lease %v, renewed at %v", r.id, f.Lease, r.lastRenew)
+				}
+				if r.lastRenew.IsZero() && at(now).Sub(r.lastStart) <= timeout*time.Second {
+					t.Fatalf("%s expired before its abort timeout: now %v start %v", r.id, now, r.lastStart)
 				}
 				if !r.lastRenew.IsZero() && !at(now).After(r.lastRenew.Add(lease)) {
 					t.Fatalf("%s expired at %v inside its lease (renewed %v, ttl %v)", r.id, now, r.lastRenew, lease)

@@ -33,9 +33,10 @@ type Options struct {
 	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT=0).
 	AbortTimeout time.Duration
 	// LeaseTTL is how long one Renew keeps a held request from being
-	// force-freed: a renewed request expires when now > max(start +
-	// AbortTimeout, lastRenew + LeaseTTL). 0 (the default) turns leases off:
-	// Renew does nothing. Negative values select 0.
+	// force-freed: a renewed request expires when now > lastRenew +
+	// LeaseTTL, whatever its AbortTimeout (which applies to requests never
+	// renewed). 0 (the default) turns leases off: Renew does nothing.
+	// Negative values select 0.
 	LeaseTTL time.Duration
 	// MaxRecords bounds the remembered early-DONE records and finished
 	// tombstones, by count (oldest evicted first; nothing ages by time).
@@ -98,8 +99,8 @@ const (
 	ReasonDone Reason = iota + 1
 	// ReasonNotTransfer: this rank never waited for a DONE.
 	ReasonNotTransfer
-	// ReasonExpired: force-freed after AbortTimeout (and, if renewed, its
-	// lease) without its DONEs.
+	// ReasonExpired: force-freed without its DONEs: after AbortTimeout,
+	// or, if renewed, LeaseTTL after its last Renew (Freed.Lease).
 	ReasonExpired
 	// ReasonAborted: freed by Abort.
 	ReasonAborted
@@ -123,6 +124,9 @@ var Reasons = []Reason{ReasonDone, ReasonNotTransfer, ReasonExpired, ReasonAbort
 type Freed struct {
 	ID     string
 	Reason Reason
+	// Lease: a ReasonExpired request that was renewed, force-freed at its
+	// lease end (its decode stopped renewing), not at the abort timeout.
+	Lease bool
 }
 
 // DoneStatus says what a DONE did.
@@ -182,6 +186,7 @@ type Stats struct {
 	EarlyDones     uint64 // DONEs recorded before the delayed-free record
 	DupDones       uint64 // DONEs for finished requests (ErrAlreadyFinished)
 	Renewals       uint64 // Renew calls that extended a held request's lease
+	LeaseExpired   uint64 // renewed requests force-freed at their lease end (of Freed[ReasonExpired])
 	RenewMisses    uint64 // Renew calls for a request not held (or leases off)
 	RecordsEvicted uint64 // records evicted by MaxRecords
 
@@ -402,13 +407,15 @@ func (t *Tracker) Abort(id string) bool {
 	return true
 }
 
-// Renew extends the lease of a held request at now: until it is freed
-// otherwise, it is not force-freed before now + LeaseTTL (nor, as without
-// leases, before start + AbortTimeout). It reports whether id is held; a
-// Renew of a request that is not held (not yet AddDelayed, already
-// finished, unknown) or with leases off changes nothing and records
-// nothing. Renew never shortens a hold: the lease end only moves forward
-// (a now earlier than a previous Renew's counts as that one).
+// Renew extends the lease of a held request at now: from then on it is
+// force-freed when now + LeaseTTL has passed without another Renew (or a
+// DONE, abort or not-transfer), and its abort timeout no longer applies
+// (so a first Renew may bring the hold's end forward: its decode is known,
+// and a dead one's blocks come back one TTL after its last word). It
+// reports whether id is held; a Renew of a request that is not held (not
+// yet AddDelayed, already finished, unknown) or with leases off changes
+// nothing and records nothing. The lease end only moves forward (a now
+// earlier than a previous Renew's counts as that one).
 func (t *Tracker) Renew(id string, now time.Time) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -440,8 +447,8 @@ func (t *Tracker) Renew(id string, now time.Time) bool {
 // now - start > AbortTimeout), scanning from the oldest insertion and
 // stopping at the first unexpired one, exactly as the seed's
 // get_and_clear_finished_requests. Renewed requests are not in that scan:
-// they are force-freed when now is past both start + AbortTimeout and
-// their lease end, whatever their position. Each request appears once, in
+// they are force-freed when now is past their lease end (Freed.Lease),
+// whatever their position and start. Each request appears once, in
 // the order it was freed (expired ones last: never-renewed first). Finally
 // it evicts records beyond MaxRecords.
 func (t *Tracker) Finished(now time.Time) []Freed {
@@ -460,18 +467,18 @@ func (t *Tracker) Finished(now time.Time) []Freed {
 		out = append(out, Freed{ID: e.id, Reason: ReasonExpired})
 		el = next
 	}
-	// Lease ends are non-decreasing along t.leased: stop at the first live
-	// lease; skip an ended lease whose abort timeout has not passed.
+	// Lease ends are non-decreasing along t.leased: free every ended lease,
+	// stop at the first live one. The abort timeout does not apply to them:
+	// their decode said it was alive, and stopped saying so one TTL ago.
 	for el := t.leased.Front(); el != nil; {
 		e := el.Value.(*entry)
 		if !now.After(e.lease) {
 			break
 		}
 		next := el.Next()
-		if now.Sub(e.start) > t.opts.AbortTimeout {
-			t.unhold(e)
-			out = append(out, Freed{ID: e.id, Reason: ReasonExpired})
-		}
+		t.unhold(e)
+		t.st.LeaseExpired++
+		out = append(out, Freed{ID: e.id, Reason: ReasonExpired, Lease: true})
 		el = next
 	}
 	for _, f := range out {

@@ -65,6 +65,9 @@ func runScript(t *testing.T, tr *Tracker, ops []op) {
 
 func fr(id string, r Reason) Freed { return Freed{ID: id, Reason: r} }
 
+// leaseFr is a request force-freed at the end of its lease.
+func leaseFr(id string) Freed { return Freed{ID: id, Reason: ReasonExpired, Lease: true} }
+
 func TestScripts(t *testing.T) {
 	tests := []struct {
 		name string
@@ -383,26 +386,39 @@ func TestRenew(t *testing.T) {
 		if fs := tr.Finished(at(6)); len(fs) != 0 {
 			t.Fatalf("at 6 (lease to 6): %v", fs)
 		}
-		if fs := tr.Finished(at(6.01)); !reflect.DeepEqual(fs, []Freed{fr("a", ReasonExpired)}) {
+		if fs := tr.Finished(at(6.01)); !reflect.DeepEqual(fs, []Freed{leaseFr("a")}) {
 			t.Fatalf("at 6.01: %v", fs)
 		}
 		if tr.IsHeld("a", g) || tr.Renew("a", at(7)) {
 			t.Fatal("expired request still held / renewable")
 		}
 		st := tr.Stats()
-		if st.Renewals != 3 || st.RenewMisses != 1 || st.Leased != 0 || st.Held != 0 || st.Forced() != 2 {
+		if st.Renewals != 3 || st.RenewMisses != 1 || st.Leased != 0 || st.Held != 0 || st.Forced() != 2 || st.LeaseExpired != 1 {
 			t.Fatalf("stats %+v", st)
 		}
 	})
-	t.Run("the abort timeout stays a floor", func(t *testing.T) {
-		tr := New(Options{AbortTimeout: 10 * time.Second, LeaseTTL: time.Second})
+	// #18: a decode that renewed and then died (stopped renewing) gets its
+	// blocks freed one TTL after its last renewal, not at the abort
+	// timeout; a request never renewed still waits for the abort timeout.
+	t.Run("a lease that ends frees before the abort timeout", func(t *testing.T) {
+		tr := New(Options{AbortTimeout: 600 * time.Second, LeaseTTL: 10 * time.Second})
 		tr.AddDelayed("a", at(0), 1, nil)
-		tr.Renew("a", at(1)) // lease to 2, abort timeout to 10
-		if fs := tr.Finished(at(5)); len(fs) != 0 {
-			t.Fatalf("freed before the abort timeout: %v", fs)
+		tr.AddDelayed("never", at(0), 1, nil)
+		tr.Renew("a", at(1)) // lease to 11, abort timeout to 600
+		if fs := tr.Finished(at(11)); len(fs) != 0 {
+			t.Fatalf("freed inside the lease: %v", fs)
 		}
-		if fs := tr.Finished(at(10.5)); !reflect.DeepEqual(fs, []Freed{fr("a", ReasonExpired)}) {
-			t.Fatalf("at 10.5: %v", fs)
+		if fs := tr.Finished(at(11.5)); !reflect.DeepEqual(fs, []Freed{leaseFr("a")}) {
+			t.Fatalf("at 11.5: %v", fs)
+		}
+		if fs := tr.Finished(at(600)); len(fs) != 0 {
+			t.Fatalf("never-renewed request freed at the abort timeout, not after: %v", fs)
+		}
+		if fs := tr.Finished(at(600.5)); !reflect.DeepEqual(fs, []Freed{fr("never", ReasonExpired)}) {
+			t.Fatalf("at 600.5: %v", fs)
+		}
+		if st := tr.Stats(); st.LeaseExpired != 1 || st.Forced() != 2 {
+			t.Fatalf("stats %+v", st)
 		}
 	})
 	t.Run("a live lease does not hold back others", func(t *testing.T) {
@@ -419,7 +435,7 @@ func TestRenew(t *testing.T) {
 		for i := 1; i < 10; i++ {
 			tr.Renew("live", at(float64(i)*1000))
 		}
-		if fs := tr.Finished(at(3600.5)); !reflect.DeepEqual(fs, []Freed{fr("dead", ReasonExpired)}) {
+		if fs := tr.Finished(at(3600.5)); !reflect.DeepEqual(fs, []Freed{leaseFr("dead")}) {
 			t.Fatalf("at 3600.5: %v", fs)
 		}
 		if r, err := tr.Done("live", at(9500)); r.Status != DoneFreed || err != nil {
@@ -429,17 +445,17 @@ func TestRenew(t *testing.T) {
 			t.Fatalf("at 9500: %v", fs)
 		}
 	})
-	t.Run("ended lease, abort timeout not passed, others behind expire", func(t *testing.T) {
+	t.Run("ended leases expire in lease order, whatever their start", func(t *testing.T) {
 		tr := New(Options{AbortTimeout: 10 * time.Second, LeaseTTL: time.Second})
-		tr.AddDelayed("late", at(5), 1, nil) // abort floor at 15
+		tr.AddDelayed("late", at(5), 1, nil) // abort timeout at 15
 		tr.AddDelayed("early", at(0), 1, nil)
-		tr.Renew("late", at(5)) // lease to 6
-		tr.Renew("early", at(6))
-		if fs := tr.Finished(at(12)); !reflect.DeepEqual(fs, []Freed{fr("early", ReasonExpired)}) {
-			t.Fatalf("at 12: %v", fs)
+		tr.Renew("late", at(5))  // lease to 6
+		tr.Renew("early", at(6)) // lease to 7
+		if fs := tr.Finished(at(6.5)); !reflect.DeepEqual(fs, []Freed{leaseFr("late")}) {
+			t.Fatalf("at 6.5: %v", fs)
 		}
-		if fs := tr.Finished(at(15.5)); !reflect.DeepEqual(fs, []Freed{fr("late", ReasonExpired)}) {
-			t.Fatalf("at 15.5: %v", fs)
+		if fs := tr.Finished(at(7.5)); !reflect.DeepEqual(fs, []Freed{leaseFr("early")}) {
+			t.Fatalf("at 7.5: %v", fs)
 		}
 	})
 	t.Run("not held, leases off", func(t *testing.T) {
