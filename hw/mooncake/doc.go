@@ -13,9 +13,10 @@
 // from, and serve, a C++ or Python Mooncake engine running with the
 // "P2PHANDSHAKE" metadata mode and the "tcp" protocol. A cgo binding to
 // Mooncake's C API (transfer_engine_c.h), for RDMA and Ascend deployments,
-// is built with the build tag "mooncake" (see README.md); default builds
-// never need it. It is for embedding: kvflow's node does not drive it yet
-// (config validation rejects node.te_backend "mooncake").
+// is the subpackage mooncakec, built with the build tag "mooncake" (see
+// README.md); default builds never need it. It is for embedding: kvflow's
+// node does not drive it yet (config validation rejects node.te_backend
+// "mooncake").
 //
 // # Contract
 //

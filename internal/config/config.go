@@ -160,7 +160,7 @@ const (
 	// BackendTCP is hw/mooncake's pure-Go engine, which speaks Mooncake
 	// TransferEngine's TCP transport: the one backend a node runs.
 	BackendTCP = "tcp"
-	// BackendMooncake names the cgo binding (hw/mooncake.CgoEngine, build
+	// BackendMooncake names the cgo binding (hw/mooncake/mooncakec.CgoEngine, build
 	// tag mooncake). Reserved: Validate rejects it (ErrBackendNotWired)
 	// until the node drives the binding.
 	BackendMooncake = "mooncake"

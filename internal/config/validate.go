@@ -13,7 +13,7 @@ import (
 
 // ErrBackendNotWired is why node.te_backend mooncake is rejected.
 var ErrBackendNotWired = errors.New(`"mooncake" is not supported yet: the node does not drive the cgo binding ` +
-	`(hw/mooncake.CgoEngine exists for embedding in Go programs; wiring it into the node is pending, ` +
+	`(hw/mooncake/mooncakec.CgoEngine exists for embedding in Go programs; wiring it into the node is pending, ` +
 	`and building with -tags mooncake does not change this); use tcp, which speaks Mooncake's TCP transport`)
 
 // maxUnixPath is the longest ipc:// path libzmq can bind (sun_path is 108
