@@ -59,6 +59,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.Writer) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	raiseNoFile(log)
 
 	// The HTTP endpoint first: a port in use is a configuration error
 	// found before anything else is started.
@@ -88,8 +89,8 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 			mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 			mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 		}
-		httpSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-		go httpSrv.Serve(ln)
+		httpSrv = newHTTPServer(mux)
+		go httpSrv.Serve(newLimitListener(ln, cfg.Node.Limits.HTTPMaxConns, reg))
 		defer httpSrv.Close()
 	}
 

@@ -63,6 +63,32 @@ type TCPConfig struct {
 	// ProtoVersion is the tcp_proto_version advertised to peers: 2 (status
 	// frames). 1 exists to exercise legacy framing in tests.
 	ProtoVersion int
+
+	// What a peer that reaches the data or RPC port can hold; see
+	// doc.go, "Connections an outsider can open". Every refusal is counted
+	// in kvflow_transfer_connections_refused_total{port,reason}.
+
+	// FirstByteTimeout closes a data connection on which no request header
+	// starts this long after the accept.
+	FirstByteTimeout time.Duration
+	// IdleTimeout closes a data connection with no request for this long
+	// (a persistent lane between bursts). An initiator drops its own lanes
+	// after IdleTimeout/2 without a request and dials afresh, so a kvflow
+	// peer with the same setting never sends on a lane the target is about
+	// to close.
+	IdleTimeout time.Duration
+	// MaxConns caps the open connections of each port (data, RPC);
+	// MaxConnsPerPeer the open connections of each port from one remote
+	// address (an IPv6 peer counts per /64). A connection beyond either is
+	// closed at once.
+	MaxConns, MaxConnsPerPeer int
+	// FDReserve is the number of file descriptors kept free for the rest of
+	// the process: a new connection to either port is closed at once when
+	// the process holds more than the soft RLIMIT_NOFILE minus this many,
+	// so the control socket, the side channel and the HTTP endpoint can
+	// still accept (libzmq aborts the process when an ipc:// accept fails
+	// for want of a descriptor). 0 turns the check off.
+	FDReserve int
 }
 
 // DefaultTCPConfig returns the defaults; each number says why.
@@ -113,6 +139,30 @@ func DefaultTCPConfig() TCPConfig {
 		// kvflow never writes into a peer: refuse what it never needs.
 		AcceptWrites: false,
 		ProtoVersion: ProtoVersion,
+		// kvflow's lanes and Mooncake's initiators send a header within
+		// microseconds of connecting; 10 s also covers a peer descheduled
+		// under load. An outsider's silent connection is gone after it.
+		FirstByteTimeout: 10 * time.Second,
+		// Lanes are persistent and legitimately idle between bursts: a
+		// decode worker can be quiet for minutes at low traffic. 5 min
+		// keeps every lane of an active peer (kvflow's own drop theirs at
+		// 2.5 min) while an idle connection cannot be held for ever.
+		IdleTimeout: 5 * time.Minute,
+		// Each reading peer holds Lanes (4) connections: 4096 serves ~1000
+		// decode ranks, more than any P/D deployment pairs with one
+		// prefill rank, and is a small share of a raised RLIMIT_NOFILE.
+		MaxConns: 4096,
+		// One host runs up to 8–16 decode ranks × a few DP replicas, 4
+		// lanes each, and a Mooncake initiator without a connection pool
+		// opens one connection per in-flight slice: 256 covers them, and
+		// one outside address cannot take more than 1/16 of MaxConns.
+		MaxConnsPerPeer: 256,
+		// Room for what the process opens besides data connections: the
+		// side channel's peers (ZMQ keeps one descriptor per connected
+		// socket; each decode rank holds up to ~20), the control socket,
+		// HTTP (capped at 64) and the cache file. At the common soft limit
+		// of 1024 it leaves data connections ~750.
+		FDReserve: 256,
 	}
 }
 
@@ -154,6 +204,20 @@ func (c TCPConfig) Validate() error {
 			bad("%s %v must be positive", name, d)
 		}
 	}
+	for name, d := range map[string]time.Duration{"first byte timeout": c.FirstByteTimeout, "idle timeout": c.IdleTimeout} {
+		if d <= 0 {
+			bad("%s %v must be positive", name, d)
+		}
+	}
+	if c.MaxConns < 1 {
+		bad("max conns %d < 1", c.MaxConns)
+	}
+	if c.MaxConnsPerPeer < 1 || c.MaxConnsPerPeer > c.MaxConns {
+		bad("max conns per peer %d not in 1..max conns (%d)", c.MaxConnsPerPeer, c.MaxConns)
+	}
+	if c.FDReserve < 0 {
+		bad("fd reserve %d < 0", c.FDReserve)
+	}
 	if c.ProtoVersion != 1 && c.ProtoVersion != 2 {
 		bad("proto version %d not 1 or 2", c.ProtoVersion)
 	}
@@ -177,4 +241,9 @@ func (c *TCPConfig) RegisterFlags(fs *flag.FlagSet, prefix string) {
 	fs.DurationVar(&c.IOTimeout, prefix+"io-timeout", c.IOTimeout, "no-progress timeout of a transfer")
 	fs.BoolVar(&c.ReadGrants, prefix+"read-grants", c.ReadGrants, "serve only granted ranges")
 	fs.BoolVar(&c.AcceptWrites, prefix+"accept-writes", c.AcceptWrites, "serve peers' WRITE requests into registered memory")
+	fs.DurationVar(&c.FirstByteTimeout, prefix+"first-byte-timeout", c.FirstByteTimeout, "close a data connection with no request this long after accept")
+	fs.DurationVar(&c.IdleTimeout, prefix+"idle-timeout", c.IdleTimeout, "close a data connection with no request for this long")
+	fs.IntVar(&c.MaxConns, prefix+"max-conns", c.MaxConns, "open connections per port (data, rpc)")
+	fs.IntVar(&c.MaxConnsPerPeer, prefix+"max-conns-per-peer", c.MaxConnsPerPeer, "open connections per port from one remote address")
+	fs.IntVar(&c.FDReserve, prefix+"fd-reserve", c.FDReserve, "refuse connections when fewer file descriptors than this are left, 0 = no check")
 }

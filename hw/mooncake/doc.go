@@ -13,9 +13,10 @@
 // from, and serve, a C++ or Python Mooncake engine running with the
 // "P2PHANDSHAKE" metadata mode and the "tcp" protocol. A cgo binding to
 // Mooncake's C API (transfer_engine_c.h), for RDMA and Ascend deployments,
-// is built with the build tag "mooncake" (see README.md); default builds
-// never need it. It is for embedding: kvflow's node does not drive it yet
-// (config validation rejects node.te_backend "mooncake").
+// is the subpackage mooncakec, built with the build tag "mooncake" (see
+// README.md); default builds never need it. It is for embedding: kvflow's
+// node does not drive it yet (config validation rejects node.te_backend
+// "mooncake").
 //
 // # Contract
 //
@@ -112,6 +113,39 @@
 // they run at about 3.5x an ordinary copy of 512-byte rows
 // (BenchmarkScatterRows), since no line is read before it is overwritten. Completion is a channel close: nothing spins or polls. Every goroutine
 // is owned by the engine and waited for in Close.
+//
+// # Connections an outsider can open
+//
+// Anyone who reaches the data or RPC port can connect, so nothing a
+// connection holds is unbounded (TCPConfig, kvflow's node.limits):
+//   - A data connection must start a request header within
+//     FirstByteTimeout (10 s) of the accept and, between requests, within
+//     IdleTimeout (5 min); a started header must complete within
+//     IOTimeout. An RPC connection has HandshakeTimeout (5 s) for its whole
+//     exchange. Cuts are counted in
+//     kvflow_transfer_connections_timed_out_total{port,reason}.
+//   - Each port holds at most MaxConns (4096) connections, at most
+//     MaxConnsPerPeer (256) from one address (IPv6: one /64).
+//   - A new connection to either port is refused when the process holds
+//     more descriptors than the soft RLIMIT_NOFILE minus FDReserve (256):
+//     the control socket, the side channel and HTTP keep room to accept
+//     (libzmq aborts the process when an ipc:// accept finds no
+//     descriptor). The count is read from /proc/self/fd at most every
+//     10 ms and estimated from the engine's own connections in between.
+//   - Refusals (a reset at accept) are counted in
+//     kvflow_transfer_connections_refused_total{port,reason} (peer_cap,
+//     total_cap, fd_reserve) and logged at most every 10 s.
+//
+// All of this runs once per connection, at accept or when it goes idle;
+// the request path is unchanged. An initiator drops a lane idle for
+// IdleTimeout/2 and dials afresh, so it never sends on a connection a
+// kvflow target with the same setting is closing. Under a flood, lanes
+// already open keep working; a new lane may be refused, which fails the
+// op it carried. What remains open to an outsider: occupying the caps
+// (up to MaxConns per port from MaxConns/MaxConnsPerPeer addresses)
+// refuses new legitimate connections until the outsider's are cut, and a
+// peer that sends valid requests keeps its connection; telling peers
+// apart needs the authenticated data plane (issue 19).
 //
 // # Never
 //

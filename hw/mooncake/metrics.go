@@ -29,6 +29,10 @@ type metrics struct {
 	batch    *prometheus.HistogramVec
 	conns    *prometheus.GaugeVec
 	rejected *prometheus.CounterVec
+	// Connections closed at accept (by port and reason) and cut by a
+	// deadline before or between requests (by port and reason).
+	connRefused  *prometheus.CounterVec
+	connTimedOut *prometheus.CounterVec
 
 	// The per-direction series, resolved once (the hot paths add per op).
 	readBytes, readOps             prometheus.Counter
@@ -90,12 +94,30 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "kvflow_transfer_rejected_total",
 			Help: "Data requests refused by this engine's server, by reason.",
 		}, []string{"reason"}),
+		connRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvflow_transfer_connections_refused_total",
+			Help: "Connections to the transfer engine's ports closed at accept, by port (data, rpc) and reason (peer_cap, total_cap, fd_reserve).",
+		}, []string{"port", "reason"}),
+		connTimedOut: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvflow_transfer_connections_timed_out_total",
+			Help: "Connections to the transfer engine's ports closed for want of a request, by port and reason (first_byte, idle, handshake).",
+		}, []string{"port", "reason"}),
 	}
 	m.bytes = registerCollector(reg, m.bytes)
 	m.ops = registerCollector(reg, m.ops)
 	m.batch = registerCollector(reg, m.batch)
 	m.conns = registerCollector(reg, m.conns)
 	m.rejected = registerCollector(reg, m.rejected)
+	m.connRefused = registerCollector(reg, m.connRefused)
+	m.connTimedOut = registerCollector(reg, m.connTimedOut)
+	for _, p := range []string{portData, portRPC} {
+		for _, r := range []string{refusedPeerCap, refusedTotalCap, refusedFDReserve} {
+			m.connRefused.WithLabelValues(p, r)
+		}
+	}
+	m.connTimedOut.WithLabelValues(portData, timeoutFirstByte)
+	m.connTimedOut.WithLabelValues(portData, timeoutIdle)
+	m.connTimedOut.WithLabelValues(portRPC, timeoutHandshake)
 	for _, d := range []string{dirRead, dirWrite, dirServeRead, dirServeWrite} {
 		m.bytes.WithLabelValues(d)
 		m.ops.WithLabelValues(d)

@@ -8,9 +8,11 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -27,6 +29,12 @@ type TCPEngine struct {
 	rpcLn, dataLn net.Listener
 	session       string
 	host          string // advertised host
+
+	// Admission of accepted connections (connlimit.go).
+	fds                 fdBudget
+	open                atomic.Int64 // accepted connections open (both ports)
+	dataConns, rpcConns *portConns   // guarded by mu
+	refuseLog           logEvery
 
 	mu      sync.Mutex
 	closed  bool
@@ -51,12 +59,15 @@ func NewTCPEngine(cfg TCPConfig, reg prometheus.Registerer, log *slog.Logger) (*
 		log = slog.New(slog.DiscardHandler)
 	}
 	e := &TCPEngine{
-		cfg:     cfg,
-		m:       newMetrics(reg),
-		conns:   map[net.Conn]struct{}{},
-		peers:   map[string]*peer{},
-		done:    make(chan struct{}),
-		stopped: make(chan struct{}),
+		cfg:       cfg,
+		m:         newMetrics(reg),
+		conns:     map[net.Conn]struct{}{},
+		peers:     map[string]*peer{},
+		fds:       fdBudget{reserve: cfg.FDReserve},
+		dataConns: newPortConns(portData),
+		rpcConns:  newPortConns(portRPC),
+		done:      make(chan struct{}),
+		stopped:   make(chan struct{}),
 	}
 	e.ctx, e.cancel = context.WithCancel(context.Background())
 	var err error
@@ -84,8 +95,8 @@ func NewTCPEngine(cfg TCPConfig, reg prometheus.Registerer, log *slog.Logger) (*
 	e.session = net.JoinHostPort(e.host, strconv.Itoa(e.RPCPort()))
 	e.log = log.With("component", "hw/mooncake", "session", e.session)
 	e.wg.Add(2)
-	go e.acceptLoop(e.rpcLn, e.serveRPC)
-	go e.acceptLoop(e.dataLn, e.serveData)
+	go e.acceptLoop(e.rpcLn, e.rpcConns, e.serveRPC)
+	go e.acceptLoop(e.dataLn, e.dataConns, e.serveData)
 	e.log.Info("transfer engine listening", "rpc_port", e.RPCPort(), "data_port", e.DataPort(), "read_grants", cfg.ReadGrants)
 	return e, nil
 }
@@ -183,28 +194,63 @@ func (e *TCPEngine) Close() error {
 	return nil
 }
 
-// track records an accepted connection so Close can end it; false when
-// the engine is closing.
-func (e *TCPEngine) track(c net.Conn) bool {
+// errEngineClosed: track found the engine closing.
+var errEngineClosed = errors.New("closing")
+
+// track admits an accepted connection of port pc, counted against the
+// caps, and records it so Close can end it. It returns the refusal
+// reason ("" when admitted), or errEngineClosed.
+func (e *TCPEngine) track(c net.Conn, pc *portConns, key netip.Addr) (string, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.closed {
-		return false
+	switch {
+	case e.closed:
+		return "", errEngineClosed
+	case pc.total >= e.cfg.MaxConns:
+		return refusedTotalCap, nil
+	case pc.perPeer[key] >= e.cfg.MaxConnsPerPeer:
+		return refusedPeerCap, nil
 	}
+	pc.total++
+	pc.perPeer[key]++
+	e.open.Add(1)
 	e.conns[c] = struct{}{}
 	e.wg.Add(1)
-	return true
+	return "", nil
 }
 
-func (e *TCPEngine) untrack(c net.Conn) {
+func (e *TCPEngine) untrack(c net.Conn, pc *portConns, key netip.Addr) {
+	c.Close()
 	e.mu.Lock()
 	delete(e.conns, c)
+	pc.total--
+	if pc.perPeer[key]--; pc.perPeer[key] <= 0 {
+		delete(pc.perPeer, key)
+	}
 	e.mu.Unlock()
-	c.Close()
+	e.open.Add(-1)
 	e.wg.Done()
 }
 
-func (e *TCPEngine) acceptLoop(ln net.Listener, serve func(net.Conn)) {
+// refuse closes a connection at accept with a reset (the peer learns at
+// once, and no descriptor lingers), counts it and logs at most every 10 s.
+func (e *TCPEngine) refuse(c net.Conn, port, reason string) {
+	if tc, ok := c.(*net.TCPConn); ok {
+		tc.SetLinger(0)
+	}
+	peer := c.RemoteAddr().String()
+	c.Close()
+	e.m.connRefused.WithLabelValues(port, reason).Inc()
+	if ok, n := e.refuseLog.ok(time.Now(), 10*time.Second); ok {
+		e.log.Warn("connection refused", "port", port, "reason", reason, "peer", peer,
+			"refused_since_last_log", n, "max_conns", e.cfg.MaxConns, "max_conns_per_peer", e.cfg.MaxConnsPerPeer,
+			"fd_reserve", e.cfg.FDReserve)
+	}
+}
+
+// acceptLoop accepts pc's connections: each is admitted (descriptor
+// reserve, then caps) or refused, and served on its own goroutine.
+func (e *TCPEngine) acceptLoop(ln net.Listener, pc *portConns, serve func(net.Conn)) {
 	defer e.wg.Done()
 	var backoff time.Duration
 	for {
@@ -229,12 +275,22 @@ func (e *TCPEngine) acceptLoop(ln net.Listener, serve func(net.Conn)) {
 			continue
 		}
 		backoff = 0
-		if !e.track(c) {
+		if !e.fds.allow(e.open.Load(), time.Now()) {
+			e.refuse(c, pc.name, refusedFDReserve)
+			continue
+		}
+		key := peerKey(c.RemoteAddr())
+		reason, err := e.track(c, pc, key)
+		if err != nil {
 			c.Close()
 			return
 		}
+		if reason != "" {
+			e.refuse(c, pc.name, reason)
+			continue
+		}
 		go func() {
-			defer e.untrack(c)
+			defer e.untrack(c, pc, key)
 			serve(c)
 		}()
 	}
@@ -253,9 +309,15 @@ var (
 // daemon does: read a frame, reply with the same type, half-close, wait
 // for the peer to close.
 func (e *TCPEngine) serveRPC(c net.Conn) {
+	// The whole exchange, first byte included, within HandshakeTimeout.
 	c.SetDeadline(time.Now().Add(e.cfg.HandshakeTimeout))
 	t, payload, err := ReadFrame(c, e.cfg.MaxFrame)
 	if err != nil {
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			e.m.connTimedOut.WithLabelValues(portRPC, timeoutHandshake).Inc()
+			e.log.Debug("handshake: no frame in time", "peer", c.RemoteAddr().String(), "timeout", e.cfg.HandshakeTimeout)
+			return
+		}
 		e.log.Warn("handshake: bad frame", "peer", c.RemoteAddr().String(), "err", err)
 		return
 	}

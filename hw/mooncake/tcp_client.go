@@ -708,6 +708,9 @@ func (l *lane) admit(t *task) bool {
 		t.finish(ErrNotAttempted)
 		return false
 	}
+	if l.conn != nil && len(l.win) == 0 && l.idleTooLong() {
+		l.dropConn() // the target may be about to close it: dial afresh
+	}
 	if l.conn == nil {
 		if err := l.dial(b); err != nil {
 			t.finish(err)
@@ -997,6 +1000,19 @@ func (l *lane) arm() error {
 	}
 	l.armedAt = now
 	return l.conn.SetDeadline(now.Add(l.p.e.cfg.IOTimeout + slack))
+}
+
+// idleTooLong reports whether the lane's connection has carried no
+// request for IdleTimeout/2: a target closes a connection idle for its
+// IdleTimeout (kvflow's default, and the same setting here), and a
+// request sent as it does so would fail. Called only when nothing is
+// outstanding, so armedAt (at most IOTimeout/8 older than the last
+// request) says when the connection was last used.
+func (l *lane) idleTooLong() bool {
+	l.mu.Lock()
+	at := l.armedAt
+	l.mu.Unlock()
+	return !at.IsZero() && time.Since(at) > l.p.e.cfg.IdleTimeout/2
 }
 
 // armSlackDiv: the deadline is moved at most every IOTimeout/8.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"os"
 	"time"
 )
 
@@ -90,6 +91,10 @@ func (e *TCPEngine) serveData(c net.Conn) {
 		}
 	}()
 	var hb [HeaderSize]byte
+	// Waiting for the first header, then between requests: bounded by
+	// FirstByteTimeout, then IdleTimeout (a deadline moved once per wait,
+	// not per request of a pipelined burst).
+	wait, why := e.cfg.FirstByteTimeout, timeoutFirstByte
 	for {
 		if br.Buffered() < HeaderSize {
 			// About to wait for the peer: what is gathered goes out first.
@@ -100,16 +105,21 @@ func (e *TCPEngine) serveData(c net.Conn) {
 		}
 		n := 0
 		if br.Buffered() == 0 {
-			// Idle between requests: no deadline (connections are
-			// persistent); once a header starts, the rest of it must
-			// arrive in time.
-			c.SetDeadline(time.Time{})
+			// Idle: connections are persistent, but no one holds one for
+			// ever without a request. Once a header starts, the rest of
+			// it must arrive within IOTimeout.
+			c.SetDeadline(time.Now().Add(wait))
 			if _, err := br.Peek(1); err != nil {
-				if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
+				switch {
+				case errors.Is(err, os.ErrDeadlineExceeded):
+					e.m.connTimedOut.WithLabelValues(portData, why).Inc()
+					e.log.Debug("data: connection closed for want of a request", "peer", peer, "reason", why, "timeout", wait)
+				case !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed):
 					e.log.Warn("data: header read failed", "peer", peer, "bytes", 0, "err", err)
 				}
 				return
 			}
+			wait, why = e.cfg.IdleTimeout, timeoutIdle
 		}
 		if br.Buffered() < HeaderSize {
 			n = br.Buffered()

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvflow/kvflow/hw/mooncake"
 	"github.com/kvflow/kvflow/hw/npu"
 	"github.com/kvflow/kvflow/stages/plan"
 )
@@ -160,7 +161,7 @@ const (
 	// BackendTCP is hw/mooncake's pure-Go engine, which speaks Mooncake
 	// TransferEngine's TCP transport: the one backend a node runs.
 	BackendTCP = "tcp"
-	// BackendMooncake names the cgo binding (hw/mooncake.CgoEngine, build
+	// BackendMooncake names the cgo binding (hw/mooncake/mooncakec.CgoEngine, build
 	// tag mooncake). Reserved: Validate rejects it (ErrBackendNotWired)
 	// until the node drives the binding.
 	BackendMooncake = "mooncake"
@@ -193,6 +194,36 @@ type Node struct {
 	// reveal internals and a CPU profile costs a few percent while it
 	// runs.
 	Pprof bool `json:"pprof"`
+	// Limits bound what a peer that reaches this worker's ports can hold.
+	Limits Limits `json:"limits"`
+}
+
+// Limits bound the connections a peer that reaches this worker's
+// transfer-engine ports (data and handshake) and HTTP endpoint can open
+// and keep, so that no one can pin the process's file descriptors. The
+// transfer engine's defaults are hw/mooncake.DefaultTCPConfig's, where
+// each number is justified.
+type Limits struct {
+	// TEFirstByteTimeout closes a data connection that sends no request
+	// header this long after connecting.
+	TEFirstByteTimeout Duration `json:"te_first_byte_timeout"`
+	// TEIdleTimeout closes a data connection with no request for this
+	// long; kvflow's own lanes are dropped and redialed after half of it.
+	// Raise it if Mooncake initiators with a connection pool, idle
+	// longer, read from this worker.
+	TEIdleTimeout Duration `json:"te_idle_timeout"`
+	// TEMaxConns caps the open connections of each transfer-engine port;
+	// TEMaxConnsPerPeer those from one remote address (IPv6: one /64).
+	TEMaxConns        int `json:"te_max_conns"`
+	TEMaxConnsPerPeer int `json:"te_max_conns_per_peer"`
+	// FDReserve keeps this many file descriptors free under the soft
+	// RLIMIT_NOFILE: beyond, new transfer-engine connections are refused
+	// so the control socket, the side channel and HTTP always have room.
+	// 0 turns the check off.
+	FDReserve int `json:"fd_reserve"`
+	// HTTPMaxConns caps the open connections of the metrics endpoint;
+	// further ones are closed at once.
+	HTTPMaxConns int `json:"http_max_conns"`
 }
 
 // Pipeline sizes the decode pipeline.
@@ -325,6 +356,7 @@ type Auth struct {
 // (role, engine id, parallel sizes, model shape, number of blocks) have no
 // safe default and are left zero, so Validate reports them as missing.
 func Default() Config {
+	te := mooncake.DefaultTCPConfig()
 	return Config{
 		KVTransfer: KVTransferConfig{
 			// vllm-ascend's name for the seed's connector.
@@ -357,6 +389,17 @@ func Default() Config {
 			// address is logged and reported by the status op. Set a fixed
 			// port per worker for Prometheus scraping.
 			MetricsAddr: "127.0.0.1:0",
+			Limits: Limits{
+				TEFirstByteTimeout: Duration(te.FirstByteTimeout),
+				TEIdleTimeout:      Duration(te.IdleTimeout),
+				TEMaxConns:         te.MaxConns,
+				TEMaxConnsPerPeer:  te.MaxConnsPerPeer,
+				FDReserve:          te.FDReserve,
+				// A Prometheus server or two, a health checker and an
+				// operator's curl need a handful; 64 leaves room for
+				// several scrapers while an outsider cannot hold more.
+				HTTPMaxConns: 64,
+			},
 		},
 		Pipeline: Pipeline{
 			Workers: StageSizes{

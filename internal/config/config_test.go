@@ -382,6 +382,14 @@ func TestValidate(t *testing.T) {
 		{"metrics addr", Decode, func(c *Config) { c.Node.MetricsAddr = "9100" }, []string{`node.metrics_addr: want host:port`}},
 		{"metrics off", Decode, func(c *Config) { c.Node.MetricsAddr = "" }, nil},
 		{"pprof without metrics", Decode, func(c *Config) { c.Node.MetricsAddr, c.Node.Pprof = "", true }, []string{"node.pprof: needs node.metrics_addr"}},
+		{"limits", Prefill, func(c *Config) {
+			l := &c.Node.Limits
+			l.TEFirstByteTimeout, l.TEIdleTimeout, l.FDReserve, l.HTTPMaxConns = 0, -1, -1, 0
+			l.TEMaxConns, l.TEMaxConnsPerPeer = 8, 9
+		}, []string{"node.limits.te_first_byte_timeout: must be > 0", "node.limits.te_idle_timeout: must be > 0",
+			"node.limits.te_max_conns_per_peer: 9 exceeds node.limits.te_max_conns (8)", "node.limits.fd_reserve: must be >= 0",
+			"node.limits.http_max_conns: must be >= 1"}},
+		{"limits: no fd reserve", Prefill, func(c *Config) { c.Node.Limits.FDReserve = 0 }, nil},
 		{"pools and queues", Decode, func(c *Config) {
 			c.Pipeline.Workers.Read, c.Pipeline.Queues.Notify = 0, -1
 		}, []string{"pipeline.workers.read: must be >= 1, got 0", "pipeline.queues.notify: must be >= 1, got -1"}},

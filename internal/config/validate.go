@@ -13,7 +13,7 @@ import (
 
 // ErrBackendNotWired is why node.te_backend mooncake is rejected.
 var ErrBackendNotWired = errors.New(`"mooncake" is not supported yet: the node does not drive the cgo binding ` +
-	`(hw/mooncake.CgoEngine exists for embedding in Go programs; wiring it into the node is pending, ` +
+	`(hw/mooncake/mooncakec.CgoEngine exists for embedding in Go programs; wiring it into the node is pending, ` +
 	`and building with -tags mooncake does not change this); use tcp, which speaks Mooncake's TCP transport`)
 
 // maxUnixPath is the longest ipc:// path libzmq can bind (sun_path is 108
@@ -205,6 +205,16 @@ func (c Config) validateNode(v *validator) {
 	} else if n.TEPort != 0 && c.Role() != 0 && n.TEPort == c.HandshakePort() && c.TEHost() == n.SideChannelHost {
 		v.add("node.te_port", "%d is this worker's side-channel handshake port", n.TEPort)
 	}
+	l := n.Limits
+	v.positive("node.limits.te_first_byte_timeout", l.TEFirstByteTimeout)
+	v.positive("node.limits.te_idle_timeout", l.TEIdleTimeout)
+	v.atLeast("node.limits.te_max_conns", l.TEMaxConns, 1)
+	v.atLeast("node.limits.te_max_conns_per_peer", l.TEMaxConnsPerPeer, 1)
+	if l.TEMaxConnsPerPeer > l.TEMaxConns && l.TEMaxConns >= 1 {
+		v.add("node.limits.te_max_conns_per_peer", "%d exceeds node.limits.te_max_conns (%d)", l.TEMaxConnsPerPeer, l.TEMaxConns)
+	}
+	v.atLeast("node.limits.fd_reserve", l.FDReserve, 0)
+	v.atLeast("node.limits.http_max_conns", l.HTTPMaxConns, 1)
 	ep := c.ControlEndpoint()
 	switch {
 	case strings.HasPrefix(ep, "ipc://"):

@@ -114,6 +114,9 @@ func Start(cfg config.Config, deps Deps) (_ *Node, err error) {
 	tc := mooncake.DefaultTCPConfig()
 	tc.Host = cfg.TEHost()
 	tc.RPCPort = cfg.Node.TEPort
+	lim := cfg.Node.Limits
+	tc.FirstByteTimeout, tc.IdleTimeout = lim.TEFirstByteTimeout.D(), lim.TEIdleTimeout.D()
+	tc.MaxConns, tc.MaxConnsPerPeer, tc.FDReserve = lim.TEMaxConns, lim.TEMaxConnsPerPeer, lim.FDReserve
 	// A decode worker's cache is read by no one (kvflow and the seed only
 	// pull from prefill): it serves no read at all (grants on, none ever
 	// given), so a peer that reaches its data port cannot read it.

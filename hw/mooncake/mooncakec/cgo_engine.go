@@ -1,12 +1,10 @@
 //go:build mooncake && cgo
 
-package mooncake
+package mooncakec
 
-// The cgo binding to Mooncake's C API (mooncake-transfer-engine/include/
-// transfer_engine_c.h), for RDMA and Ascend deployments. Built only with
-// -tags mooncake where Mooncake is installed; see README.md for the
-// CGO_CFLAGS/CGO_LDFLAGS. Link list as Mooncake's own Go bindings use it:
-// transfer_engine, base (its common utilities), and the C++ runtime.
+// The binding itself; see doc.go. Built only with -tags mooncake (and
+// cgo); hw/mooncake/README.md gives the CGO_CFLAGS/CGO_LDFLAGS of a real
+// build, testdata/include the stub header CI compiles it against.
 
 /*
 #cgo LDFLAGS: -ltransfer_engine -lstdc++ -lm
@@ -26,6 +24,8 @@ import (
 	"unsafe"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvflow/kvflow/hw/mooncake"
 )
 
 // CgoConfig configures the cgo engine.
@@ -68,9 +68,9 @@ func DefaultCgoConfig() CgoConfig {
 type CgoEngine struct {
 	cfg     CgoConfig
 	log     *slog.Logger
-	m       *metrics
+	m       *mooncake.TransferMetrics
 	eng     C.transfer_engine_t
-	regions regionTable
+	regions mooncake.Regions
 	session string
 	rpcPort int
 
@@ -80,7 +80,7 @@ type CgoEngine struct {
 	inflight sync.WaitGroup
 }
 
-var _ Engine = (*CgoEngine)(nil)
+var _ mooncake.Engine = (*CgoEngine)(nil)
 
 // ErrMooncake wraps a failing Mooncake C call.
 var ErrMooncake = errors.New("mooncake: transfer engine call failed")
@@ -104,7 +104,7 @@ func NewCgoEngine(cfg CgoConfig, reg prometheus.Registerer, log *slog.Logger) (*
 	if eng == nil {
 		return nil, fmt.Errorf("%w: createTransferEngine(%q, %q, %d)", ErrMooncake, cfg.Metadata, cfg.Host, cfg.RPCPort)
 	}
-	e := &CgoEngine{cfg: cfg, m: newMetrics(reg), eng: eng, segments: map[string]C.int32_t{}}
+	e := &CgoEngine{cfg: cfg, m: mooncake.NewTransferMetrics(reg), eng: eng, segments: map[string]C.int32_t{}}
 
 	proto := C.CString(cfg.Protocol)
 	defer C.free(unsafe.Pointer(proto))
@@ -126,7 +126,7 @@ func NewCgoEngine(cfg CgoConfig, reg prometheus.Registerer, log *slog.Logger) (*
 		return nil, fmt.Errorf("%w: getLocalIpAndPort", ErrMooncake)
 	}
 	e.session = C.GoString(&buf[0])
-	if _, port, err := parseSession(e.session); err == nil {
+	if _, port, err := mooncake.ParseSession(e.session); err == nil {
 		e.rpcPort = port
 	} else {
 		e.rpcPort = cfg.RPCPort
@@ -143,14 +143,14 @@ func (e *CgoEngine) SessionID() string { return e.session }
 // Register registers memory with Mooncake (remote accessible). The memory
 // must not be Go-managed: Mooncake keeps the pointer.
 func (e *CgoEngine) Register(addr, length uint64, name string) error {
-	if err := e.regions.add(addr, length, name); err != nil {
+	if err := e.regions.Add(addr, length, name); err != nil {
 		return err
 	}
 	loc := C.CString(e.cfg.Location)
 	defer C.free(unsafe.Pointer(loc))
 	if rc := C.registerLocalMemory(e.eng, cptr(addr), C.size_t(length), loc, 1); rc != 0 {
-		if r, err := e.regions.remove(addr); err == nil {
-			<-r.drained
+		if wait, err := e.regions.Remove(addr); err == nil {
+			wait()
 		}
 		return fmt.Errorf("%w: registerLocalMemory(%#x, %d) = %d", ErrMooncake, addr, length, int(rc))
 	}
@@ -159,24 +159,24 @@ func (e *CgoEngine) Register(addr, length uint64, name string) error {
 
 // Unregister waits for transfers using the region, then unregisters it.
 func (e *CgoEngine) Unregister(addr uint64) error {
-	r, err := e.regions.remove(addr)
+	wait, err := e.regions.Remove(addr)
 	if err != nil {
 		return err
 	}
-	<-r.drained
+	wait()
 	if rc := C.unregisterLocalMemory(e.eng, cptr(addr)); rc != 0 {
 		return fmt.Errorf("%w: unregisterLocalMemory(%#x) = %d", ErrMooncake, addr, int(rc))
 	}
 	return nil
 }
 
-func (e *CgoEngine) Slice(addr, length uint64) ([]byte, error) { return e.regions.slice(addr, length) }
+func (e *CgoEngine) Slice(addr, length uint64) ([]byte, error) { return e.regions.Slice(addr, length) }
 
-func (e *CgoEngine) BatchRead(ctx context.Context, session string, ops []Op) error {
+func (e *CgoEngine) BatchRead(ctx context.Context, session string, ops []mooncake.Op) error {
 	return e.batch(ctx, session, ops, C.OPCODE_READ)
 }
 
-func (e *CgoEngine) BatchWrite(ctx context.Context, session string, ops []Op) error {
+func (e *CgoEngine) BatchWrite(ctx context.Context, session string, ops []mooncake.Op) error {
 	return e.batch(ctx, session, ops, C.OPCODE_WRITE)
 }
 
@@ -196,19 +196,13 @@ func (e *CgoEngine) segment(session string) (C.int32_t, error) {
 	return id, nil
 }
 
-func (e *CgoEngine) batch(ctx context.Context, session string, ops []Op, opcode C.int) (err error) {
-	dir := dirRead
+func (e *CgoEngine) batch(ctx context.Context, session string, ops []mooncake.Op, opcode C.int) (err error) {
+	dir := mooncake.DirRead
 	if opcode == C.OPCODE_WRITE {
-		dir = dirWrite
+		dir = mooncake.DirWrite
 	}
 	start := time.Now()
-	defer func() {
-		outcome := "ok"
-		if err != nil {
-			outcome = "error"
-		}
-		e.m.batch.WithLabelValues(dir, outcome).Observe(time.Since(start).Seconds())
-	}()
+	defer func() { e.m.Batch(dir, time.Since(start), err) }()
 	if len(ops) == 0 {
 		return nil
 	}
@@ -219,35 +213,35 @@ func (e *CgoEngine) batch(ctx context.Context, session string, ops []Op, opcode 
 				errs[i] = err
 			}
 		}
-		return &BatchError{Session: session, Dir: dir, Ops: ops, Errs: errs}
+		return &mooncake.BatchError{Session: session, Dir: dir, Ops: ops, Errs: errs}
 	}
 
 	e.mu.Lock()
 	if e.closed {
 		e.mu.Unlock()
-		return fail(ErrClosed)
+		return fail(mooncake.ErrClosed)
 	}
 	e.inflight.Add(1)
 	e.mu.Unlock()
 	defer e.inflight.Done()
 
-	var pins []*region
+	var unpins []func()
 	defer func() {
-		for _, r := range pins {
-			r.unpin()
+		for _, unpin := range unpins {
+			unpin()
 		}
 	}()
 	bad := false
 	for i, op := range ops {
-		r, err := e.regions.pin(op.Local, op.Length)
+		unpin, err := e.regions.Pin(op.Local, op.Length)
 		if err != nil {
 			errs[i], bad = fmt.Errorf("local: %w", err), true
 			continue
 		}
-		pins = append(pins, r)
+		unpins = append(unpins, unpin)
 	}
 	if bad {
-		return fail(ErrNotAttempted)
+		return fail(mooncake.ErrNotAttempted)
 	}
 	if err := ctx.Err(); err != nil {
 		return fail(err)
@@ -306,8 +300,7 @@ func (e *CgoEngine) batch(ctx context.Context, session string, ops []Op, opcode 
 			case C.STATUS_COMPLETED:
 				done[i] = true
 				left--
-				e.m.bytes.WithLabelValues(dir).Add(float64(ops[i].Length))
-				e.m.ops.WithLabelValues(dir).Inc()
+				e.m.Completed(dir, ops[i].Length)
 			case C.STATUS_FAILED, C.STATUS_CANCELED, C.STATUS_INVALID, C.STATUS_TIMEOUT:
 				errs[i], done[i] = fmt.Errorf("mooncake: %s: transfer status %d", session, int(st.status)), true
 				left--
@@ -333,7 +326,7 @@ func (e *CgoEngine) batch(ctx context.Context, session string, ops []Op, opcode 
 	}
 	for _, err := range errs {
 		if err != nil {
-			return &BatchError{Session: session, Dir: dir, Ops: ops, Errs: errs}
+			return &mooncake.BatchError{Session: session, Dir: dir, Ops: ops, Errs: errs}
 		}
 	}
 	return nil
