@@ -32,6 +32,7 @@ import os
 import stat
 import struct
 import threading
+import weakref
 
 import msgpack
 import zmq
@@ -500,6 +501,17 @@ class Cache:
             self.path, self.kind, self.dtype, self.num_layers, len(self.parts), self.num_blocks, self.block_size)
 
 
+_MAPPED = weakref.WeakValueDictionary()  # address of cache[0, 0] -> Cache
+
+
+def find_mapped_cache(address):
+    """The Cache (made by attach_cache or create_cache in this process)
+    whose first cache tensor starts at address, or None. An engine's
+    tensors that are views of a mapped cache file are found this way and
+    shared zero-copy with kvflow."""
+    return _MAPPED.get(int(address))
+
+
 def attach_cache(path, writable=True):
     """Map kvflow's shared-memory cache file at path (made by kvflow with
     npu.CreateShm; typically under /dev/shm) and return a Cache whose
@@ -508,7 +520,9 @@ def attach_cache(path, writable=True):
     sizes); a bad file raises CacheFileError. bf16 caches are uint16 arrays
     (raw bits); fp8 caches are uint8. The file is never written unless you
     write through the arrays (writable=False maps it read-only)."""
-    return Cache(path, writable=writable)
+    c = Cache(path, writable=writable)
+    _MAPPED[c.caches[0][0].ctypes.data] = c
+    return c
 
 
 # --------------------------------------------------------------------------
@@ -609,4 +623,4 @@ def create_cache(path, num_layers, num_blocks, block_size, dtype, num_kv_heads=0
         os.unlink(tmp)
     if not published:
         raise CacheFileError("%s: not published" % path)
-    return Cache(path, writable=True)
+    return attach_cache(path, writable=True)
