@@ -144,6 +144,7 @@ class Sidecar:
                 if left <= 0:
                     proc.kill()
                     proc.wait()
+                    proc.stdout.close()
                     raise SidecarError("kvflow sidecar %s: not ready within %.0fs; log %s:\n%s"
                                        % (name, ready_timeout, lpath, _tail(lpath)))
                 if not sel.select(left):
@@ -151,6 +152,7 @@ class Sidecar:
                 b = os.read(proc.stdout.fileno(), 4096)
                 if not b:
                     rc = proc.wait()
+                    proc.stdout.close()
                     raise SidecarError("kvflow sidecar %s exited with status %d before it was ready; log %s:\n%s"
                                        % (name, rc, lpath, _tail(lpath)))
                 line += b

@@ -261,12 +261,13 @@ class Instance:
 
     # -- decode instance ---------------------------------------------------------
 
-    def decode(self, request_id, prompt, params, max_tokens, peer=None, timeout=30.0, after_load=None):
+    def decode(self, request_id, prompt, params, max_tokens, peer=None, timeout=30.0, after_load=None, on_step=None):
         """Decode a request prefilled elsewhere: load its KV through kvflow,
         then generate. A load that fails (any block in
         get_block_ids_with_load_errors) is recomputed locally. peer (the
         prefill Instance) is polled meanwhile so that it frees its blocks.
-        after_load(instance, req) runs once the load finished (tests).
+        after_load(instance, req) runs once the load finished, on_step(instance)
+        before each step while it runs (tests).
         Returns the output tokens; self.last records what happened."""
         self._reset_counts()
         p = dict(params)
@@ -285,6 +286,8 @@ class Instance:
             while self._recvd.get(request_id, 0) < self.tp:
                 if time.monotonic() > deadline:
                     raise EngineError("decode %s: load not finished within %.0fs" % (request_id, timeout))
+                if on_step is not None:
+                    on_step(self)
                 self._step()
                 if peer is not None:
                     peer.poll()

@@ -1,0 +1,92 @@
+"""KvflowConnector's worker side on bad input: an inconsistent vLLM config
+fails at register_kv_caches with a message naming the problem, before any
+sidecar is started."""
+
+import types
+import unittest
+
+import _util
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+
+
+def vcfg(tp=2, kv_heads=4, layers=2, block_size=4, extra=None, buf="cpu", cache_dtype="auto"):
+    ex = {"prefill": {"tp_size": tp, "dp_size": 1}, "decode": {"tp_size": 1, "dp_size": 1},
+          "kvflow": {"tp_rank": 0, "host": "127.0.0.1"}}
+    if extra is not None:
+        ex = extra
+    return types.SimpleNamespace(
+        kv_transfer_config=types.SimpleNamespace(engine_id="e", kv_role="kv_producer", kv_port=20000,
+                                                 kv_buffer_device=buf, kv_connector_extra_config=ex),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
+                                              data_parallel_size=1, data_parallel_rank=0),
+        cache_config=types.SimpleNamespace(block_size=block_size, cache_dtype=cache_dtype),
+        model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(num_hidden_layers=layers,
+                                                                           num_key_value_heads=kv_heads)))
+
+
+def caches(layers=2, heads=2, dtype=None, block_size=4, flash=False):
+    dtype = dtype or torch.bfloat16
+    out = {}
+    for i in range(layers):
+        if flash:
+            out["l%d" % i] = torch.zeros(2, 8, block_size, heads, 16, dtype=dtype)
+        else:
+            out["l%d" % i] = (torch.zeros(8, block_size, heads, 16, dtype=dtype),
+                              torch.zeros(8, block_size, heads, 16, dtype=dtype))
+    return out
+
+
+class BadConfigTest(unittest.TestCase):
+    def setUp(self):
+        if torch is None:
+            self.skipTest("torch not importable")
+
+    def test_register_rejects(self):
+        from kvflow.vllm import ConfigError, KVConnectorRole, KvflowConnector
+
+        cases = [
+            ("heads not divisible by TP", vcfg(tp=2, kv_heads=3), caches(heads=1),
+             "3 KV heads are not divisible by tensor_parallel_size 2"),
+            ("TP not a multiple of heads", vcfg(tp=4, kv_heads=3), caches(heads=1),
+             "tensor_parallel_size 4 is not a multiple of 3 KV heads"),
+            ("unknown dtype", vcfg(), caches(dtype=torch.float64), "unknown cache dtype torch.float64"),
+            ("unknown cache_dtype", vcfg(cache_dtype="fp4"), caches(), "unknown cache_config.cache_dtype 'fp4'"),
+            ("heads disagree with the model", vcfg(tp=2, kv_heads=8), caches(heads=2),
+             "cache tensors hold 2 KV heads, the model has 8 over TP 2 \\(want 4\\)"),
+            ("layers disagree", vcfg(layers=3), caches(), "2 cache layers, model has 3"),
+            ("block size disagrees", vcfg(block_size=16), caches(), "cache block size 4, cache_config.block_size 16"),
+            ("not a cache tensor", vcfg(), {"l0": torch.zeros(3, 3)}, "want a \\(k, v\\) pair"),
+            ("device caches without a host buffer", vcfg(buf="cuda"), caches(flash=True),
+             "kv_buffer_device is 'cuda'"),
+            ("missing prefill/decode layout", vcfg(extra={"kvflow": {"tp_rank": 0}}), caches(),
+             "kv_connector_extra_config.prefill needs tp_size and dp_size"),
+        ]
+        for name, cfg, kv, want in cases:
+            with self.subTest(name):
+                c = KvflowConnector(cfg, KVConnectorRole.WORKER)
+                with self.assertRaisesRegex(ConfigError, want):
+                    c.register_kv_caches(kv)
+                self.assertIsNone(c.sidecar)
+                c.shutdown()
+
+    def test_scheduler_side_params(self):
+        from kvflow.vllm import KVConnectorRole, KvflowConnector
+
+        c = KvflowConnector(vcfg(), KVConnectorRole.SCHEDULER)
+        req = types.SimpleNamespace(request_id="r", kv_transfer_params={"do_remote_decode": True},
+                                    status="FINISHED_LENGTH_CAPPED", output_token_ids=[9], prompt_token_ids=[1])
+        delay, p = c.request_finished(req, [3, 4])
+        self.assertEqual((delay, p["remote_port"], p["remote_host"], p["remote_engine_id"]),
+                         (True, 20000, "127.0.0.1", "e"))
+        m = c.build_connector_meta(None)
+        self.assertEqual(list(m.requests_to_send), ["r"])
+        self.assertEqual(m.send_block_ids, {"r": [3, 4]})
+
+
+if __name__ == "__main__":
+    _util  # noqa: B018
+    unittest.main()
