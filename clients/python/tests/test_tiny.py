@@ -6,6 +6,7 @@ stitch (two heads swapped after the transfer) does not."""
 
 import os
 import signal
+import time
 import unittest
 
 import _util
@@ -131,6 +132,42 @@ class TinyTest(unittest.TestCase):
                     self.assertTrue(pair.decode.last["failed"])
                     self.assertEqual(toks, self.want["bf16"][1])
                     self.assertIsNotNone(pair.decode.connectors[0]._dead)
+
+    def test_abort_while_loading(self):
+        """vLLM aborts a decode request whose pull is in flight: the
+        connector passes the abort to its sidecar, never reports the
+        request (vLLM already freed it), reports no load error, and the
+        prefill still gets its DONE and frees the blocks."""
+        from kvflow.tiny.engine import Blocks, Request
+
+        with Pair(self.model, 1, 1) as pair:
+            first, params = pair.prefill.prefill("ab", self.ps[0])
+            psc = pair.prefill.connectors[0].sidecar
+            dec = pair.decode
+            os.kill(psc.proc.pid, signal.SIGSTOP)
+            try:
+                req = Request("ab", self.ps[0], MAX_TOKENS, dict(params))
+                n, is_async = dec.scheduler.get_num_new_matched_tokens(req, 0)
+                blocks = dec._alloc(dec._blocks_for(n))
+                dec.scheduler.update_state_after_alloc(req, Blocks(blocks), n)
+                dec._reset_counts()
+                dec._step()  # the load goes to the sidecar
+                self.assertIn("ab", dec.connectors[0]._loading)
+                req.status = "FINISHED_ABORTED"
+                self.assertEqual(dec.scheduler.request_finished(req, blocks), (False, None))
+                dec._step()  # the abort goes to the sidecar
+                self.assertNotIn("ab", dec.connectors[0]._loading)
+            finally:
+                os.kill(psc.proc.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 15
+            while (pair.prefill._held or dec.connectors[0]._aborted) and time.monotonic() < deadline:
+                dec._step()
+                pair.prefill.poll()
+                time.sleep(0.005)
+            self.assertEqual(pair.prefill._held, {}, "prefill blocks not freed after the abort")
+            self.assertNotIn("ab", dec._recvd)
+            self.assertEqual(dec._errors, set())
+            self.assertEqual(dec.connectors[0]._aborted, set(), "the aborted load's end was not collected")
 
 
 if __name__ == "__main__":

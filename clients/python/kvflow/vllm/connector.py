@@ -336,8 +336,10 @@ class KvflowConnector(KVConnectorBase_V1):
         try:
             if meta.requests_to_abort:
                 for rid in meta.requests_to_abort:
-                    self._loading.pop(rid, None)
-                    self._aborted.add(rid)
+                    # vLLM freed the request: never report it again
+                    self._ready_recving.discard(rid)
+                    if self._loading.pop(rid, None) is not None:
+                        self._aborted.add(rid)  # its end is still to come
                 if self._dead is None:
                     self.sidecar.client.abort(list(meta.requests_to_abort))
             if meta.requests:
