@@ -2,6 +2,7 @@
 fails at register_kv_caches with a message naming the problem, before any
 sidecar is started."""
 
+import os
 import types
 import unittest
 
@@ -85,6 +86,47 @@ class BadConfigTest(unittest.TestCase):
         m = c.build_connector_meta(None)
         self.assertEqual(list(m.requests_to_send), ["r"])
         self.assertEqual(m.send_block_ids, {"r": [3, 4]})
+
+
+class HostBufferTest(unittest.TestCase):
+    """vLLM's FlashAttention layout ([2, blocks, block_size, heads,
+    head_dim] per layer, not in a kvflow file): the connector creates the
+    rank's cache file, starts a real kvflow serve on it, and copies blocks
+    between the file and the engine's tensors."""
+
+    def setUp(self):
+        if torch is None:
+            self.skipTest("torch not importable")
+        _util.kvflow_bin(self)
+        self.dir = _util.shm_dir()
+
+    def tearDown(self):
+        _util.rmtree(self.dir)
+
+    def test_flash_layout_copies(self):
+        from kvflow.vllm import KVConnectorRole, KvflowConnector
+
+        ex = {"prefill": {"tp_size": 1, "dp_size": 1}, "decode": {"tp_size": 1, "dp_size": 1},
+              "kvflow": {"tp_rank": 0, "host": "127.0.0.1", "workdir": self.dir, "shm_dir": self.dir}}
+        cfg = vcfg(tp=1, kv_heads=2, extra=ex)
+        cfg.kv_transfer_config.kv_role = "kv_consumer"
+        kv = caches(heads=2, dtype=torch.float16, flash=True)
+        c = KvflowConnector(cfg, KVConnectorRole.WORKER)
+        try:
+            c.register_kv_caches(kv)
+            self.assertEqual(c.sidecar.client.status()["role"], "decode")
+            self.assertEqual((c.cache.num_layers, c.cache.num_kv_heads, c.cache.dtype), (2, 2, "fp16"))
+            c._file[1][1][3] = 5.0          # as if kvflow landed block 3 of layer 1's V
+            c._copy_from_file([3])
+            self.assertTrue((kv["l1"][1][3] == 5.0).all())
+            self.assertTrue((kv["l1"][1][2] == 0).all())
+            kv["l0"][0][6] = 2.0            # the engine computed block 6 of layer 0's K
+            c._copy_to_file([6])
+            self.assertTrue((c._file[0][0][6] == 2.0).all())
+            path = c.cache.path
+        finally:
+            c.shutdown()
+        self.assertFalse(os.path.exists(path))
 
 
 if __name__ == "__main__":
