@@ -41,6 +41,19 @@ def caches(layers=2, heads=2, dtype=None, block_size=4, flash=False):
     return out
 
 
+def mla_cfg(kv_lora_rank=32):
+    c = vcfg(tp=2, kv_heads=1)
+    c.model_config.use_mla = True
+    c.model_config.hf_config.kv_lora_rank = kv_lora_rank
+    c.model_config.hf_config.qk_rope_head_dim = 8
+    return c
+
+
+def mla_caches():
+    return {"l%d" % i: (torch.zeros(8, 4, 1, 32, dtype=torch.bfloat16), torch.zeros(8, 4, 1, 8, dtype=torch.bfloat16))
+            for i in range(2)}
+
+
 class BadConfigTest(unittest.TestCase):
     def setUp(self):
         if torch is None:
@@ -63,6 +76,9 @@ class BadConfigTest(unittest.TestCase):
             ("not a cache tensor", vcfg(), {"l0": torch.zeros(3, 3)}, "want a \\(k, v\\) pair"),
             ("device caches without a host buffer", vcfg(buf="cuda"), caches(flash=True),
              "kv_buffer_device is 'cuda'"),
+            ("MLA: latent width disagrees with the model", mla_cfg(kv_lora_rank=16), mla_caches(),
+             "cache kv_lora_rank 32, model_config.hf_config.kv_lora_rank 16"),
+            ("MLA: a GQA-shaped cache", mla_cfg(), caches(), "MLA cache parts hold 2 and 2 heads, want 1"),
             ("missing prefill/decode layout", vcfg(extra={"kvflow": {"tp_rank": 0}}), caches(),
              "kv_connector_extra_config.prefill needs tp_size and dp_size"),
         ]

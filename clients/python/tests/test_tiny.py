@@ -103,6 +103,32 @@ class TinyTest(unittest.TestCase):
             self.assertTrue(info["loaded"])
             self.assertNotEqual(toks, self.want["bf16"][0])
 
+    def test_mla(self):
+        """MLA-shaped caches (a latent and a rotary-key part of one head,
+        replicated over TP: kvflow pulls each decode rank's copy from one
+        prefill rank)."""
+        m = TinyModel(TinyConfig(seed=99, mla=True))
+        want = {dt: monolith(m, dt, self.ps, MAX_TOKENS) for dt in ("bf16", "fp16")}
+        cases = [("TP 1->1 bf16", 1, 1, "bf16", {}), ("TP 4->2 fp16", 4, 2, "fp16", {}),
+                 ("TP 2->2 bf16, host buffer", 2, 2, "bf16", {"decode_zero_copy": False})]
+        for name, p, d, dt, kw in cases:
+            with self.subTest(name):
+                with Pair(m, p, d, dtype=dt, **kw) as pair:
+                    for i, pr in enumerate(self.ps):
+                        toks, info = pair.run("mla-%d-%d-%d" % (p, d, i), pr, MAX_TOKENS)
+                        self.assertTrue(info["loaded"])
+                        self.assertEqual(toks, want[dt][i])
+
+        def corrupt(inst, req):  # the last decode rank's latent of the first block
+            for lat, _ in inst.caches[-1]:
+                lat[req.block_ids[0]] = 0
+
+        with self.subTest("corrupted latent on decode rank 1 is caught"):
+            with Pair(m, 2, 2) as pair:
+                toks, info = pair.run("mla-bad", self.ps[0], MAX_TOKENS, after_load=corrupt)
+                self.assertTrue(info["loaded"])
+                self.assertNotEqual(toks, want["bf16"][0])
+
     def test_sidecar_death_and_hang_become_load_errors(self):
         """The decode sidecar is killed (or stopped) while a load is in
         flight (the prefill sidecar is frozen, so the load cannot end):

@@ -64,8 +64,8 @@ class Instance:
                  other_tp=1, workdir=None, zero_copy=True, prefix_caching=False, kvflow_opts=None):
         self.model, self.role, self.tp = model, role, tp
         c = model.cfg
-        if c.kv_heads % tp:
-            raise EngineError("kv_heads %d not divisible by TP %d" % (c.kv_heads, tp))
+        if (c.q_heads if c.mla else c.kv_heads) % tp:
+            raise EngineError("heads not divisible by TP %d" % tp)
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.free = list(range(num_blocks - 1, -1, -1))
@@ -78,17 +78,21 @@ class Instance:
         self.scheduler = None
         self.timings = {}
         hpr = c.kv_heads // tp
+        if c.mla:
+            shapes = [(num_blocks, c.block_size, 1, c.kv_lora_rank), (num_blocks, c.block_size, 1, c.rope_dim)]
+            kw = {"mla": True, "kv_lora_rank": c.kv_lora_rank, "qk_rope_head_dim": c.rope_dim}
+        else:
+            shapes = [(num_blocks, c.block_size, hpr, c.head_dim)] * 2
+            kw = {"num_kv_heads": hpr, "head_dim": c.head_dim}
         for r in range(tp):
             if role != "mono" and zero_copy:
                 path = os.path.join(workdir, "%s-r%d.kv" % (self.engine_id, r))
-                f = kc.create_cache(path, c.layers, num_blocks, c.block_size, dtype, num_kv_heads=hpr,
-                                    head_dim=c.head_dim)
+                f = kc.create_cache(path, c.layers, num_blocks, c.block_size, dtype, **kw)
                 self._files.append(f)
                 t = cache_tensors(f)
                 self.caches.append([(t[l][0], t[l][1]) for l in range(c.layers)])
             else:
-                shape = (num_blocks, c.block_size, hpr, c.head_dim)
-                self.caches.append([(torch.zeros(shape, dtype=DTYPES[dtype]), torch.zeros(shape, dtype=DTYPES[dtype]))
+                self.caches.append([tuple(torch.zeros(sh, dtype=DTYPES[dtype]) for sh in shapes)
                                     for _ in range(c.layers)])
         if role == "mono":
             return
@@ -109,9 +113,10 @@ class Instance:
                                                       data_parallel_size=1, data_parallel_rank=0),
                 cache_config=types.SimpleNamespace(block_size=c.block_size, cache_dtype="auto"),
                 model_config=types.SimpleNamespace(
-                    dtype=DTYPES[dtype], use_mla=False,
+                    dtype=DTYPES[dtype], use_mla=c.mla,
                     hf_config=types.SimpleNamespace(num_hidden_layers=c.layers, num_key_value_heads=c.kv_heads,
-                                                    num_attention_heads=c.q_heads)))
+                                                    num_attention_heads=c.q_heads, kv_lora_rank=c.kv_lora_rank,
+                                                    qk_rope_head_dim=c.rope_dim)))
             if r < 0:
                 self.scheduler = KvflowConnector(vcfg, KVConnectorRole.SCHEDULER)
             else:

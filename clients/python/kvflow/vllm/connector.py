@@ -182,33 +182,43 @@ class KvflowConnector(KVConnectorBase_V1):
 
     def _model_shape(self, kv_caches):
         """The whole model's cache shape, derived from this rank's tensors
-        and vLLM's config, checked for consistency."""
+        and vLLM's config, checked for consistency. Returns the per-layer
+        cache parts ([K, V] for GQA, [kv_lora, k_rope] for MLA, each
+        [blocks, block_size, heads, dim]), the sidecar's model section and
+        create_cache's shape keywords."""
         cfg = self._vllm_config
         mc = cfg.model_config
+        hf = _get(mc, "hf_config")
         if not kv_caches:
             raise ConfigError("kvflow register_kv_caches: no KV cache tensors")
-        if _get(mc, "use_mla", False) or _get(mc, "is_deepseek_mla", False):
-            raise ConfigError("kvflow register_kv_caches: MLA caches are not supported by this connector yet")
+        mla = bool(_get(mc, "use_mla", False) or _get(mc, "is_deepseek_mla", False))
+        rank_ = _get(hf, "kv_lora_rank") if mla else None
         layers = []
         for name, t in kv_caches.items():
             if isinstance(t, (tuple, list)):
-                parts = list(t)
-            elif isinstance(t, torch.Tensor) and t.dim() == 5 and t.shape[0] == 2:
+                parts = list(t)   # vllm-ascend: (k, v) or (kv_lora, k_rope)
+            elif isinstance(t, torch.Tensor) and not mla and t.dim() == 5 and t.shape[0] == 2:
                 parts = [t[0], t[1]]     # FlashAttention: [2, blocks, block_size, heads, head_dim]
+            elif isinstance(t, torch.Tensor) and mla and t.dim() == 3 and isinstance(rank_, int) \
+                    and 0 < rank_ < t.shape[2]:
+                # vLLM MLA: [blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+                parts = [t[..., :rank_].unsqueeze(2), t[..., rank_:].unsqueeze(2)]
             else:
-                raise ConfigError("kvflow register_kv_caches: layer %s: want a (k, v) pair or a [2, blocks, "
-                                  "block_size, heads, head_dim] tensor, got %s" % (name, _desc(t)))
-            if len(parts) != 2 or any(p.dim() != 4 for p in parts):
-                raise ConfigError("kvflow register_kv_caches: layer %s: want K and V of [blocks, block_size, heads, "
-                                  "head_dim], got %s" % (name, [_desc(p) for p in parts]))
+                raise ConfigError("kvflow register_kv_caches: layer %s: want %s, got %s" % (
+                    name, "a (kv_lora, k_rope) pair or a [blocks, block_size, kv_lora_rank + rope_dim] tensor" if mla
+                    else "a (k, v) pair or a [2, blocks, block_size, heads, head_dim] tensor", _desc(t)))
+            if len(parts) != 2 or any(not isinstance(p, torch.Tensor) or p.dim() != 4 for p in parts):
+                raise ConfigError("kvflow register_kv_caches: layer %s: want 2 parts of [blocks, block_size, heads, "
+                                  "dim], got %s" % (name, [_desc(p) for p in parts]))
             layers.append(parts)
         nb, bs, heads, hd = layers[0][0].shape
         dt = layers[0][0].dtype
         for i, parts in enumerate(layers):
-            for p in parts:
-                if tuple(p.shape) != (nb, bs, heads, hd) or p.dtype != dt:
-                    raise ConfigError("kvflow register_kv_caches: layer %d: %s differs from layer 0's %s"
-                                      % (i, _desc(p), _desc(layers[0][0])))
+            for j, p in enumerate(parts):
+                want = tuple(layers[0][j].shape)
+                if tuple(p.shape) != want or p.dtype != dt or p.shape[:2] != (nb, bs):
+                    raise ConfigError("kvflow register_kv_caches: layer %d part %d: %s differs from layer 0's %s"
+                                      % (i, j, _desc(p), _desc(layers[0][j])))
         problems = []
         if dt not in TORCH_DTYPES:
             problems.append("unknown cache dtype %s (kvflow supports %s)" % (dt, ", ".join(map(str, TORCH_DTYPES))))
@@ -218,9 +228,16 @@ class KvflowConnector(KVConnectorBase_V1):
                 kc._dtype_id(cache_dtype)
             except kc.CacheFileError:
                 problems.append("unknown cache_config.cache_dtype %r" % (cache_dtype,))
-        hf = _get(mc, "hf_config")
         total = _get(hf, "num_key_value_heads") or _get(hf, "num_attention_heads")
-        if not isinstance(total, int) or total < 1:
+        if mla:
+            lora, rope = layers[0][0].shape[3], layers[0][1].shape[3]
+            if heads != 1 or layers[0][1].shape[2] != 1:
+                problems.append("MLA cache parts hold %d and %d heads, want 1" % (heads, layers[0][1].shape[2]))
+            for key, got in (("kv_lora_rank", lora), ("qk_rope_head_dim", rope)):
+                w = _get(hf, key)
+                if w is not None and w != got:
+                    problems.append("cache %s %d, model_config.hf_config.%s %d" % (key, got, key, w))
+        elif not isinstance(total, int) or total < 1:
             problems.append("model_config.hf_config.num_key_value_heads is %r" % (total,))
         else:
             if total >= self.tp_size and total % self.tp_size:
@@ -230,6 +247,8 @@ class KvflowConnector(KVConnectorBase_V1):
             elif heads != max(1, total // self.tp_size):
                 problems.append("cache tensors hold %d KV heads, the model has %d over TP %d (want %d)"
                                 % (heads, total, self.tp_size, max(1, total // self.tp_size)))
+            if tuple(layers[0][1].shape) != (nb, bs, heads, hd):
+                problems.append("V %s differs from K %s" % (_desc(layers[0][1]), _desc(layers[0][0])))
         n_layers = _get(hf, "num_hidden_layers")
         if self.pp_size == 1 and n_layers is not None and n_layers != len(layers):
             problems.append("%d cache layers, model has %d" % (len(layers), n_layers))
@@ -237,12 +256,17 @@ class KvflowConnector(KVConnectorBase_V1):
             problems.append("cache block size %d, cache_config.block_size %d" % (bs, self.block_size))
         if problems:
             raise ConfigError("kvflow register_kv_caches: inconsistent vLLM config: " + "; ".join(problems))
-        model = {"num_layers": n_layers or len(layers), "num_kv_heads": total, "head_dim": hd, "block_size": bs,
-                 "dtype": TORCH_DTYPES[dt], "num_blocks": nb}
-        return layers, model
+        model = {"num_layers": n_layers or len(layers), "block_size": bs, "dtype": TORCH_DTYPES[dt], "num_blocks": nb}
+        if mla:
+            model.update({"num_kv_heads": 1, "mla": True, "kv_lora_rank": lora, "qk_rope_head_dim": rope})
+            shape_kw = {"mla": True, "kv_lora_rank": lora, "qk_rope_head_dim": rope}
+        else:
+            model.update({"num_kv_heads": total, "head_dim": hd})
+            shape_kw = {"num_kv_heads": heads, "head_dim": hd}
+        return layers, model, shape_kw
 
     def register_kv_caches(self, kv_caches):
-        layers, model = self._model_shape(kv_caches)
+        layers, model, shape_kw = self._model_shape(kv_caches)
         # Zero-copy when the tensors are kvflow's cache file (mapped here).
         k0 = layers[0][0]
         cache = kc.find_mapped_cache(k0.data_ptr()) if k0.device.type == "cpu" else None
@@ -266,7 +290,7 @@ class KvflowConnector(KVConnectorBase_V1):
             if os.path.exists(path):
                 os.unlink(path)  # a previous run of this rank's buffer
             cache = kc.create_cache(path, len(layers), model["num_blocks"], model["block_size"], model["dtype"],
-                                    num_kv_heads=layers[0][0].shape[2], head_dim=model["head_dim"])
+                                    **shape_kw)
             self._own_cache = True
             self._device_caches = layers
         self.cache = cache
