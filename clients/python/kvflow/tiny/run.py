@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 
+from ..sidecar import SidecarError
 from .engine import Instance
 from .model import TinyConfig, TinyModel
 
@@ -33,17 +34,25 @@ class Pair:
         self.dir = dir or workdir()
         self._own_dir = dir is None
         self.prefill = self.decode = None
-        try:
-            self.prefill = Instance(model, "prefill", tp=p, dtype=dtype, num_blocks=num_blocks, other_tp=d,
-                                    engine_id="tiny-p-%d" % os.getpid(), workdir=self.dir,
-                                    zero_copy=prefill_zero_copy, kvflow_opts=kvflow_opts)
-            self.decode = Instance(model, "decode", tp=d, dtype=dtype, num_blocks=num_blocks, other_tp=p,
-                                   engine_id="tiny-d-%d" % os.getpid(), workdir=self.dir,
-                                   zero_copy=decode_zero_copy, prefix_caching=prefix_caching,
-                                   kvflow_opts=kvflow_opts)
-        except BaseException:
-            self.close()
-            raise
+        for attempt in range(3):
+            try:
+                self.prefill = Instance(model, "prefill", tp=p, dtype=dtype, num_blocks=num_blocks, other_tp=d,
+                                        engine_id="tiny-p-%d" % os.getpid(), workdir=self.dir,
+                                        zero_copy=prefill_zero_copy, kvflow_opts=kvflow_opts)
+                self.decode = Instance(model, "decode", tp=d, dtype=dtype, num_blocks=num_blocks, other_tp=p,
+                                       engine_id="tiny-d-%d" % os.getpid(), workdir=self.dir,
+                                       zero_copy=decode_zero_copy, prefix_caching=prefix_caching,
+                                       kvflow_opts=kvflow_opts)
+                return
+            except SidecarError as e:
+                self._close_instances()
+                # the free ports were taken meanwhile by another process: pick others
+                if "in use" not in str(e) or attempt == 2:
+                    self.close()
+                    raise
+            except BaseException:
+                self.close()
+                raise
 
     def run(self, request_id, prompt, max_tokens, after_load=None, tamper_params=None):
         t0 = time.perf_counter()
@@ -62,10 +71,14 @@ class Pair:
                     ttft_s=t_prefill + self.decode.last["load_s"] + self.decode.last["first_token_s"])
         return toks, info
 
-    def close(self):
+    def _close_instances(self):
         for inst in (self.decode, self.prefill):
             if inst is not None:
                 inst.close()
+        self.prefill = self.decode = None
+
+    def close(self):
+        self._close_instances()
         if self._own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 
