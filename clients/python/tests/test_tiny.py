@@ -54,6 +54,8 @@ class TinyTest(unittest.TestCase):
             ("TP 4->2 bf16", 4, 2, "bf16", {}),
             ("TP 4->2 fp16", 4, 2, "fp16", {}),
             ("TP 2->2 fp16", 2, 2, "fp16", {}),
+            ("TP 4->2 bf16, prefill read grants (send carries the block ids)", 4, 2, "bf16",
+             {"kvflow_opts": {"sidecar": {"read": {"grants": True}}}}),
             ("TP 2->1 fp16, device caches through the host buffer", 2, 1, "fp16",
              {"decode_zero_copy": False, "prefill_zero_copy": False}),
         ]
