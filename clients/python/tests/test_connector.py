@@ -144,6 +144,38 @@ class HostBufferTest(unittest.TestCase):
             c.shutdown()
         self.assertFalse(os.path.exists(path))
 
+    def test_attach_to_running_sidecar(self):
+        """kvflow.control set: the connector attaches to a sidecar started
+        by someone else (on the engine's cache file: zero-copy) and leaves
+        it running at shutdown."""
+        from kvflow import client as kc
+        from kvflow.sidecar import Sidecar, free_port_base, worker_config
+        from kvflow.vllm import KVConnectorRole, KvflowConnector, cache_tensors
+
+        path = os.path.join(self.dir, "p0.kv")
+        cache = kc.create_cache(path, 2, 8, 4, "bf16", num_kv_heads=2, head_dim=16)
+        par = {"tp_size": 1, "dp_size": 1}
+        model = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "block_size": 4, "dtype": "bf16", "num_blocks": 8}
+        ep = "ipc://" + os.path.join(self.dir, "p-tp0.sock")
+        sc = Sidecar.launch(worker_config("prefill", "e", free_port_base(1), par, par, model, {"tp": 0}, path, ep),
+                            self.dir, "p0")
+        try:
+            ex = {"prefill": par, "decode": par,
+                  "kvflow": {"tp_rank": 0, "control": "ipc://" + os.path.join(self.dir, "p-tp{tp}.sock")}}
+            cfg = vcfg(tp=1, kv_heads=2, extra=ex)
+            t = cache_tensors(cache)
+            c = KvflowConnector(cfg, KVConnectorRole.WORKER)
+            c.register_kv_caches({"l%d" % i: (t[i][0], t[i][1]) for i in range(2)})
+            self.assertIs(c.cache, cache)              # zero-copy: the engine's own mapping
+            self.assertIsNone(c._device_caches)
+            self.assertEqual(c.sidecar.client.status()["role"], "prefill")
+            c.shutdown()
+            self.assertTrue(sc.alive())
+            self.assertTrue(os.path.exists(path))
+        finally:
+            self.assertEqual(sc.stop(), 0)
+            cache.close()
+
 
 if __name__ == "__main__":
     _util  # noqa: B018
