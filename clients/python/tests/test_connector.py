@@ -49,6 +49,12 @@ def mla_cfg(kv_lora_rank=32):
     return c
 
 
+def kv_both():
+    c = vcfg()
+    c.kv_transfer_config.kv_role = "kv_both"
+    return c
+
+
 def mla_caches():
     return {"l%d" % i: (torch.zeros(8, 4, 1, 32, dtype=torch.bfloat16), torch.zeros(8, 4, 1, 8, dtype=torch.bfloat16))
             for i in range(2)}
@@ -79,6 +85,7 @@ class BadConfigTest(unittest.TestCase):
             ("MLA: latent width disagrees with the model", mla_cfg(kv_lora_rank=16), mla_caches(),
              "cache kv_lora_rank 32, model_config.hf_config.kv_lora_rank 16"),
             ("MLA: a GQA-shaped cache", mla_cfg(), caches(), "MLA cache parts hold 2 and 2 heads, want 1"),
+            ("kv_both", kv_both(), caches(), "kv_role 'kv_both': kvflow runs kv_producer"),
             ("missing prefill/decode layout", vcfg(extra={"kvflow": {"tp_rank": 0}}), caches(),
              "kv_connector_extra_config.prefill needs tp_size and dp_size"),
         ]

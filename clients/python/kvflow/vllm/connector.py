@@ -266,6 +266,9 @@ class KvflowConnector(KVConnectorBase_V1):
         return layers, model, shape_kw
 
     def register_kv_caches(self, kv_caches):
+        if self.kv_role not in ("kv_producer", "kv_consumer"):
+            raise ConfigError("kvflow register_kv_caches: kv_role %r: kvflow runs kv_producer (prefill) or "
+                              "kv_consumer (decode) instances" % (self.kv_role,))
         layers, model, shape_kw = self._model_shape(kv_caches)
         # Zero-copy when the tensors are kvflow's cache file (mapped here).
         k0 = layers[0][0]
