@@ -37,6 +37,13 @@ test: deps vet vet-mooncake test-nocgo
 demo: build
 	./$(BIN) demo
 
+# The tiny paged-attention engine (clients/python/kvflow/tiny) monolithic and
+# disaggregated through kvflow serve sidecars (prefill TP 4 -> decode TP 2):
+# tokens/s, transfer share of time to first token, tokens identical.
+.PHONY: demo-engine
+demo-engine: build
+	PYTHONPATH=clients/python KVFLOW_BIN=$(BIN) /usr/bin/python3 -m kvflow.tiny.run
+
 # Benchmarks, each against a baseline measured in the same run: the stage
 # benchmarks and `kvflow bench e2e` (all workloads; small with --netem
 # "delay 1ms" when root), then rewrites bench/RESULTS.md and bench/e2e.svg

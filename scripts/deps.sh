@@ -12,8 +12,10 @@ if [ -x /usr/bin/python3 ]; then
   /usr/bin/python3 -c 'import zmq' 2>/dev/null || need+=(python3-zmq)
   /usr/bin/python3 -c 'import msgpack' 2>/dev/null || need+=(python3-msgpack)
   /usr/bin/python3 -c 'import numpy' 2>/dev/null || need+=(python3-numpy)
+  # The Python package's tiny engine and vLLM connector (clients/python).
+  /usr/bin/python3 -c 'import torch' 2>/dev/null || need+=(python3-torch)
 else
-  need+=(python3 python3-zmq python3-msgpack python3-numpy)
+  need+=(python3 python3-zmq python3-msgpack python3-numpy python3-torch)
 fi
 command -v gcc >/dev/null 2>&1 || need+=(gcc)
 # As root the --netem tests and bench delay packets in a netfilter queue,

@@ -1,4 +1,4 @@
-"""Tests of kvflow_client against a fake control server and Python-made
+"""Tests of kvflow.client against a fake control server and Python-made
 cache files. The Go tests in internal/control run these too (go test ./...)
 and also test the client against the real control socket and a cache file
 made by kvflow itself."""
@@ -18,7 +18,7 @@ import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
-import kvflow_client as kc  # noqa: E402
+from kvflow import client as kc  # noqa: E402
 
 
 class FakeServer:

@@ -76,8 +76,8 @@ func (p *pool) give(b []int) { p.free = append(p.free, b...) }
 func (d *driver) run(ctx context.Context) (*Summary, error) {
 	o := d.o
 	s := &Summary{Requests: o.Requests}
-	psched := &prefillScheduler{engineID: d.prefill[0].cfg.KVTransfer.EngineID, host: "127.0.0.1", port: d.kvPort, pcp: 1, dcp: 1}
-	dsched := &decodeScheduler{}
+	psched := newPrefillScheduler(d.prefill[0].cfg.KVTransfer.EngineID, "127.0.0.1", d.kvPort)
+	dsched := newDecodeScheduler()
 	ppool, dpool := newPool(o.Model.NumBlocks), newPool(o.Model.NumBlocks)
 	rowBytes := make([]int, d.prefill[0].cache.Layout().NumParts())
 	for p := range rowBytes {
@@ -155,6 +155,7 @@ func (d *driver) run(ctx context.Context) (*Summary, error) {
 			if err != nil {
 				return s, fmt.Errorf("demo: finished on %s: %w", w.name, err)
 			}
+			dsched.finishedRecving(rep.DoneRecving)
 			for _, id := range rep.DoneRecving {
 				if r := byID[id]; r != nil {
 					r.decodeDone[w.rank] = true
@@ -162,6 +163,7 @@ func (d *driver) run(ctx context.Context) (*Summary, error) {
 				}
 			}
 			for _, f := range rep.FailedRecving {
+				dsched.finishedRecving([]string{f.RequestID})
 				if r := byID[f.RequestID]; r != nil {
 					r.decodeDone[w.rank] = true
 					r.failed = append(r.failed, fmt.Sprintf("%s: %s", w.name, f.Reason))

@@ -1,0 +1,205 @@
+"""The seed's scheduler-side connector rules (MooncakeConnectorScheduler),
+ported faithfully, with the engine-facing types duck-typed so the module runs
+without vLLM.
+
+What the scheduler sees of a request: ``request_id``, ``kv_transfer_params``
+(a dict or None; mutated as the seed mutates it), ``prompt_token_ids``,
+``output_token_ids`` and ``status`` (vLLM's RequestStatus, or anything whose
+``name`` or str is the status name). ``blocks`` in update_state_after_alloc
+has ``get_unhashed_block_ids()`` (vLLM's KVCacheBlocks).
+
+The rules, as in the seed:
+
+* get_num_new_matched_tokens: with ``do_remote_prefill`` the whole prompt
+  beyond the locally computed tokens is external and loaded asynchronously
+  (``count, count > 0``); otherwise ``0, False``.
+* update_state_after_alloc: with ``do_remote_prefill``, a request whose
+  params have ``remote_block_ids`` and all of ``remote_engine_id``,
+  ``remote_host``, ``remote_port`` is queued to receive into its unhashed
+  blocks (none when ``num_external_tokens`` is 0, a full local prefix hit);
+  incomplete params are skipped (the request is computed locally); without
+  remote blocks ``num_external_tokens`` must be 0. Either way
+  ``do_remote_prefill`` is turned off: one transfer per request.
+* build_connector_meta: hands the queued receives and sends to the workers
+  and clears both queues.
+* request_finished: only a ``do_remote_decode`` request that finished by
+  length cap (the prefill's max_tokens=1) is handed over: with blocks, their
+  free is delayed and the request queued to send with time.time(); the
+  returned kv_transfer_params have exactly the seed's keys and types.
+
+Where kvflow differs (each is a case the seed gets wrong; tested):
+
+1. The seed's ``assert``s (num_computed_tokens a whole number of blocks;
+   no remote blocks but external tokens) vanish under ``python -O``; here
+   they raise ValueError naming the request.
+2. Abort before scheduling: a request finished (aborted) while
+   ``do_remote_prefill`` is still set was never allocated; the seed drops
+   it and the prefill holds its blocks until its abort timeout. kvflow
+   queues a receive with no local blocks, so the decode worker sends DONE
+   at once and the prefill frees them (vLLM's NixlConnector does the same).
+3. Abort while loading: a request finished while its load is queued (not
+   yet handed to workers) is dropped from the queue and handled as 2; one
+   handed to workers and not yet finished is listed in
+   ``requests_to_abort`` of the next metadata so the workers cancel it
+   (the seed keeps pulling into blocks the engine has freed).
+"""
+
+import time
+
+__all__ = ["ReqMeta", "ConnectorMetadata", "SchedulerRules", "status_name"]
+
+FINISHED_LENGTH_CAPPED = "FINISHED_LENGTH_CAPPED"
+
+
+def status_name(status):
+    """A request status's name: vLLM's RequestStatus enum or a string."""
+    return getattr(status, "name", None) or str(status).rsplit(".", 1)[-1]
+
+
+class ReqMeta:
+    """One request to receive (the seed's ReqMeta)."""
+
+    __slots__ = ("local_block_ids", "remote_block_ids", "remote_engine_id", "remote_host", "remote_port",
+                 "remote_pcp_size", "remote_dcp_size")
+
+    def __init__(self, local_block_ids, remote_block_ids, remote_engine_id, remote_host, remote_port,
+                 remote_pcp_size=1, remote_dcp_size=1):
+        self.local_block_ids = local_block_ids
+        self.remote_block_ids = remote_block_ids
+        self.remote_engine_id = remote_engine_id
+        self.remote_host = remote_host
+        self.remote_port = remote_port
+        self.remote_pcp_size = remote_pcp_size
+        self.remote_dcp_size = remote_dcp_size
+
+    def kv_transfer_params(self):
+        """The params as kvflow's control socket takes them."""
+        return {"remote_block_ids": [int(b) for b in self.remote_block_ids],
+                "remote_engine_id": str(self.remote_engine_id), "remote_host": str(self.remote_host),
+                "remote_port": int(self.remote_port), "remote_pcp_size": int(self.remote_pcp_size),
+                "remote_dcp_size": int(self.remote_dcp_size)}
+
+    def __repr__(self):
+        return "ReqMeta(local=%r, remote=%r, %s@%s:%s)" % (self.local_block_ids, self.remote_block_ids,
+                                                         self.remote_engine_id, self.remote_host, self.remote_port)
+
+
+class ConnectorMetadata:
+    """What one scheduler step hands the workers (the seed's
+    MooncakeConnectorMetadata, plus requests_to_abort)."""
+
+    def __init__(self):
+        self.requests = {}          # request id -> ReqMeta (to receive)
+        self.requests_to_send = {}  # request id -> delay_start_time
+        self.requests_to_abort = []  # request ids whose load the workers cancel
+
+    def add_new_req(self, request_id, local_block_ids, kv_transfer_params):
+        p = kv_transfer_params
+        self.requests[request_id] = ReqMeta(
+            local_block_ids=local_block_ids, remote_block_ids=p["remote_block_ids"],
+            remote_engine_id=p["remote_engine_id"], remote_host=p["remote_host"], remote_port=p["remote_port"],
+            remote_pcp_size=p.get("remote_pcp_size", 1), remote_dcp_size=p.get("remote_dcp_size", 1))
+
+
+class SchedulerRules:
+    """The seed's MooncakeConnectorScheduler. engine_id, side_channel_host,
+    block_size as the engine has them; side_channel_port is the instance's
+    base handshake port (``side_channel_port(...)``); pcp/dcp sizes are
+    this instance's. ``clock`` (time.time) gives delay_start_time."""
+
+    def __init__(self, engine_id, side_channel_host, side_channel_port, block_size, pcp_size=1, dcp_size=1,
+                 clock=time.time):
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError("block_size %r: want an int >= 1" % (block_size,))
+        self.engine_id = str(engine_id)
+        self.side_channel_host = side_channel_host
+        self.side_channel_port = int(side_channel_port)
+        self.block_size = block_size
+        self.pcp_size = pcp_size
+        self.dcp_size = dcp_size
+        self.clock = clock
+        self._reqs_need_recv = {}   # request id -> (request, local block ids)
+        self._reqs_need_send = {}   # request id -> delay_start_time
+        self._reqs_loading = set()  # handed to workers, not yet reported finished
+        self._reqs_to_abort = []
+
+    @staticmethod
+    def side_channel_port(kv_port, dp_rank, tp_size, pp_size, pcp_size=1):
+        """The seed's handshake base: kv_port + dp_rank*tp*pp*pcp."""
+        return int(kv_port) + dp_rank * tp_size * pp_size * pcp_size
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        params = request.kv_transfer_params
+        if params is not None and params.get("do_remote_prefill"):
+            if num_computed_tokens % self.block_size != 0:
+                raise ValueError("request %s: num_computed_tokens %d is not a multiple of block_size %d"
+                                 % (request.request_id, num_computed_tokens, self.block_size))
+            count = max(len(request.prompt_token_ids) - num_computed_tokens, 0)
+            return count, count > 0
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        params = request.kv_transfer_params
+        if params is not None and params.get("do_remote_prefill"):
+            if params.get("remote_block_ids"):
+                if all(p in params for p in ("remote_engine_id", "remote_host", "remote_port")):
+                    local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
+                    self._reqs_need_recv[request.request_id] = (request, local)
+                # else: invalid params, the request is computed locally (seed: a warning)
+            elif num_external_tokens != 0:
+                raise ValueError("request %s: %d external tokens but no remote_block_ids"
+                                 % (request.request_id, num_external_tokens))
+            params["do_remote_prefill"] = False
+
+    def build_connector_meta(self, scheduler_output=None):
+        meta = ConnectorMetadata()
+        for req_id, (req, block_ids) in self._reqs_need_recv.items():
+            meta.add_new_req(req_id, block_ids, req.kv_transfer_params)
+            if block_ids:
+                self._reqs_loading.add(req_id)
+        self._reqs_need_recv = {}
+        meta.requests_to_send = self._reqs_need_send
+        self._reqs_need_send = {}
+        meta.requests_to_abort = self._reqs_to_abort
+        self._reqs_to_abort = []
+        return meta
+
+    def finished_recving(self, request_ids):
+        """The workers reported these loads finished (done or failed)."""
+        for r in request_ids:
+            self._reqs_loading.discard(r)
+
+    def request_finished(self, request, block_ids):
+        params = request.kv_transfer_params
+        rid = request.request_id
+        if rid in self._reqs_loading:          # (3) aborted while its load runs
+            self._reqs_loading.discard(rid)
+            self._reqs_to_abort.append(rid)
+            return False, None
+        queued = self._reqs_need_recv.pop(rid, None)
+        if params is not None and (params.get("do_remote_prefill") or queued is not None):
+            # (2) never scheduled, or (3) queued and not yet handed over:
+            # receive nothing, so the prefill frees its blocks now.
+            if params.get("remote_block_ids") and all(
+                    p in params for p in ("remote_engine_id", "remote_host", "remote_port")):
+                self._reqs_need_recv[rid] = (request, [])
+            params["do_remote_prefill"] = False
+            return False, None
+        if (params is None or not params.get("do_remote_decode")
+                or status_name(request.status) != FINISHED_LENGTH_CAPPED):
+            return False, None
+        computed_block_ids = block_ids
+        delay_free_blocks = len(computed_block_ids) > 0
+        if delay_free_blocks:
+            self._reqs_need_send[rid] = self.clock()
+        return delay_free_blocks, dict(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_block_ids=computed_block_ids,
+            remote_engine_id=self.engine_id,
+            remote_host=self.side_channel_host,
+            remote_port=self.side_channel_port,
+            remote_pcp_size=self.pcp_size,
+            remote_dcp_size=self.dcp_size,
+            last_token_id=request.output_token_ids[-1],
+        )

@@ -1,0 +1,202 @@
+"""The proof by computation: the tiny engine's disaggregated run (prefill
+TP p -> kvflow serve sidecars -> decode TP d, driven through
+KvflowConnector in vLLM's call order) generates exactly the monolith's
+tokens; a failed transfer is recomputed to the same tokens; a broken
+stitch (two heads swapped after the transfer) does not."""
+
+import os
+import signal
+import time
+import unittest
+
+import _util
+
+try:
+    import torch  # noqa: F401
+except ImportError:  # pragma: no cover
+    torch = None
+
+if torch is not None:
+    from kvflow.tiny.model import TinyConfig, TinyModel
+    from kvflow.tiny.run import Pair, monolith, prompts
+
+MAX_TOKENS = 6
+
+
+def setUpModule():
+    if torch is None:
+        raise unittest.SkipTest("torch not importable (apt-get install python3-torch)")
+    _util.kvflow_bin(None)
+
+
+class TinyTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.model = TinyModel(TinyConfig(seed=1234))
+        cls.ps = prompts(2, 11, cls.model.cfg.vocab, seed=3)  # 11 tokens: 2 full blocks + 3
+        cls.want = {dt: monolith(cls.model, dt, cls.ps, MAX_TOKENS) for dt in ("bf16", "fp16")}
+
+    def disagg(self, p, d, dtype="bf16", **kw):
+        got, infos = [], []
+        with Pair(self.model, p, d, dtype=dtype, **kw) as pair:
+            for i, pr in enumerate(self.ps):
+                toks, info = pair.run("req-%d-%d-%d" % (p, d, i), pr, MAX_TOKENS)
+                got.append(toks)
+                infos.append(info)
+                self.assertEqual(info["prefill_first_token"], toks[0])
+            self.assertEqual(pair.prefill._held, {}, "prefill blocks not freed")
+        return got, infos
+
+    def test_topologies(self):
+        cases = [
+            ("TP 1->1 bf16", 1, 1, "bf16", {}),
+            ("TP 2->1 bf16", 2, 1, "bf16", {}),
+            ("TP 4->2 bf16", 4, 2, "bf16", {}),
+            ("TP 4->2 fp16", 4, 2, "fp16", {}),
+            ("TP 2->2 fp16", 2, 2, "fp16", {}),
+            ("TP 4->2 bf16, prefill read grants (send carries the block ids)", 4, 2, "bf16",
+             {"kvflow_opts": {"sidecar": {"read": {"grants": True}}}}),
+            ("TP 2->1 fp16, device caches through the host buffer", 2, 1, "fp16",
+             {"decode_zero_copy": False, "prefill_zero_copy": False}),
+        ]
+        for name, p, d, dt, kw in cases:
+            with self.subTest(name):
+                got, infos = self.disagg(p, d, dt, **kw)
+                self.assertTrue(all(i["loaded"] for i in infos), infos)
+                self.assertEqual(got, self.want[dt])
+
+    def test_prefix_hit(self):
+        m = self.model
+        ps = prompts(2, 14, m.cfg.vocab, seed=5, shared_prefix=9)  # 2 shared full blocks
+        want = monolith(m, "bf16", ps, MAX_TOKENS)
+        with Pair(m, 2, 1, prefix_caching=True) as pair:
+            got = []
+            for i, pr in enumerate(ps):
+                toks, info = pair.run("pfx-%d" % i, pr, MAX_TOKENS)
+                got.append(toks)
+                self.assertTrue(info["loaded"])
+                self.assertEqual(info["prefix_hit_blocks"], 0 if i == 0 else 2)
+        self.assertEqual(got, want)
+
+    def test_failed_transfer_recomputes(self):
+        cases = [
+            ("remote blocks out of range", lambda p: dict(p, remote_block_ids=[900 + b for b in p["remote_block_ids"]])),
+            ("wrong remote engine", lambda p: dict(p, remote_engine_id="not-the-prefill")),
+        ]
+        with Pair(self.model, 2, 1) as pair:
+            for name, f in cases:
+                with self.subTest(name):
+                    toks, info = pair.run("fail-" + name[:5], self.ps[0], MAX_TOKENS, tamper_params=f)
+                    self.assertTrue(info["failed"])
+                    self.assertEqual(toks, self.want["bf16"][0])
+
+    def test_broken_stitch_is_caught(self):
+        """Swap KV heads 0 and 1 of the pulled blocks on the decode rank:
+        the tokens must differ (the equality tests would see a bad stitch)."""
+
+        def swap(inst, req):
+            for layer in inst.caches[0]:
+                for t in layer:
+                    for b in req.block_ids:
+                        t[b, :, [0, 1]] = t[b, :, [1, 0]]
+
+        with Pair(self.model, 2, 1) as pair:
+            toks, info = pair.run("swap", self.ps[0], MAX_TOKENS, after_load=swap)
+            self.assertTrue(info["loaded"])
+            self.assertNotEqual(toks, self.want["bf16"][0])
+
+    def test_mla(self):
+        """MLA-shaped caches (a latent and a rotary-key part of one head,
+        replicated over TP: kvflow pulls each decode rank's copy from one
+        prefill rank)."""
+        m = TinyModel(TinyConfig(seed=99, mla=True))
+        want = {dt: monolith(m, dt, self.ps, MAX_TOKENS) for dt in ("bf16", "fp16")}
+        cases = [("TP 1->1 bf16", 1, 1, "bf16", {}), ("TP 4->2 fp16", 4, 2, "fp16", {}),
+                 ("TP 2->2 bf16, host buffer", 2, 2, "bf16", {"decode_zero_copy": False})]
+        for name, p, d, dt, kw in cases:
+            with self.subTest(name):
+                with Pair(m, p, d, dtype=dt, **kw) as pair:
+                    for i, pr in enumerate(self.ps):
+                        toks, info = pair.run("mla-%d-%d-%d" % (p, d, i), pr, MAX_TOKENS)
+                        self.assertTrue(info["loaded"])
+                        self.assertEqual(toks, want[dt][i])
+
+        def corrupt(inst, req):  # the last decode rank's latent of the first block
+            for lat, _ in inst.caches[-1]:
+                lat[req.block_ids[0]] = 0
+
+        with self.subTest("corrupted latent on decode rank 1 is caught"):
+            with Pair(m, 2, 2) as pair:
+                toks, info = pair.run("mla-bad", self.ps[0], MAX_TOKENS, after_load=corrupt)
+                self.assertTrue(info["loaded"])
+                self.assertNotEqual(toks, want["bf16"][0])
+
+    def test_sidecar_death_and_hang_become_load_errors(self):
+        """The decode sidecar is killed (or stopped) while a load is in
+        flight (the prefill sidecar is frozen, so the load cannot end):
+        within the control timeout the load is a load error, the request is
+        recomputed, the tokens are the monolith's."""
+        for how in ("SIGKILL", "SIGSTOP"):
+            with self.subTest(how):
+                with Pair(self.model, 1, 1, kvflow_opts={"control_timeout_ms": 1500}) as pair:
+                    first, params = pair.prefill.prefill("dead", self.ps[1])
+                    psc = pair.prefill.connectors[0].sidecar
+                    dsc = pair.decode.connectors[0].sidecar
+                    os.kill(psc.proc.pid, signal.SIGSTOP)
+                    steps = []
+
+                    def on_step(inst):
+                        steps.append(1)
+                        if len(steps) == 2:  # the load is in flight
+                            os.kill(dsc.proc.pid, getattr(signal, how))
+
+                    try:
+                        toks = pair.decode.decode("dead", self.ps[1], params, MAX_TOKENS, on_step=on_step,
+                                                  timeout=20)
+                    finally:
+                        os.kill(psc.proc.pid, signal.SIGCONT)
+                        if how == "SIGSTOP":
+                            os.kill(dsc.proc.pid, signal.SIGCONT)
+                    self.assertTrue(pair.decode.last["failed"])
+                    self.assertEqual(toks, self.want["bf16"][1])
+                    self.assertIsNotNone(pair.decode.connectors[0]._dead)
+
+    def test_abort_while_loading(self):
+        """vLLM aborts a decode request whose pull is in flight: the
+        connector passes the abort to its sidecar, never reports the
+        request (vLLM already freed it), reports no load error, and the
+        prefill still gets its DONE and frees the blocks."""
+        from kvflow.tiny.engine import Blocks, Request
+
+        with Pair(self.model, 1, 1) as pair:
+            first, params = pair.prefill.prefill("ab", self.ps[0])
+            psc = pair.prefill.connectors[0].sidecar
+            dec = pair.decode
+            os.kill(psc.proc.pid, signal.SIGSTOP)
+            try:
+                req = Request("ab", self.ps[0], MAX_TOKENS, dict(params))
+                n, is_async = dec.scheduler.get_num_new_matched_tokens(req, 0)
+                blocks = dec._alloc(dec._blocks_for(n))
+                dec.scheduler.update_state_after_alloc(req, Blocks(blocks), n)
+                dec._reset_counts()
+                dec._step()  # the load goes to the sidecar
+                self.assertIn("ab", dec.connectors[0]._loading)
+                req.status = "FINISHED_ABORTED"
+                self.assertEqual(dec.scheduler.request_finished(req, blocks), (False, None))
+                dec._step()  # the abort goes to the sidecar
+                self.assertNotIn("ab", dec.connectors[0]._loading)
+            finally:
+                os.kill(psc.proc.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 15
+            while (pair.prefill._held or dec.connectors[0]._aborted) and time.monotonic() < deadline:
+                dec._step()
+                pair.prefill.poll()
+                time.sleep(0.005)
+            self.assertEqual(pair.prefill._held, {}, "prefill blocks not freed after the abort")
+            self.assertNotIn("ab", dec._recvd)
+            self.assertEqual(dec._errors, set())
+            self.assertEqual(dec.connectors[0]._aborted, set(), "the aborted load's end was not collected")
+
+
+if __name__ == "__main__":
+    unittest.main()
