@@ -61,6 +61,23 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	raiseNoFile(log)
 
+	// The control socket is this worker's identity: a live worker holding
+	// it is a second copy of this one (exit 2); a dead one's is taken
+	// over. Held until everything below is closed, then the socket file
+	// is removed.
+	sockLock, err := control.LockSocket(cfg.ControlEndpoint())
+	if err != nil {
+		if errors.Is(err, control.ErrInUse) {
+			return usageError{err}
+		}
+		return err
+	}
+	defer func() {
+		if err := sockLock.Release(); err != nil {
+			log.Warn("control socket files not removed", "err", err)
+		}
+	}()
+
 	// The HTTP endpoint first: a port in use is a configuration error
 	// found before anything else is started.
 	var ready atomic.Bool
@@ -201,7 +218,7 @@ func backend(n *node.Node) control.Backend {
 }
 
 func isConfigProblem(err error) bool {
-	if errors.Is(err, syscall.EADDRINUSE) || errors.Is(err, npu.ErrBadFile) || errors.Is(err, fs.ErrExist) {
+	if errors.Is(err, syscall.EADDRINUSE) || errors.Is(err, npu.ErrBadFile) || errors.Is(err, npu.ErrInUse) || errors.Is(err, fs.ErrExist) {
 		return true
 	}
 	msg := strings.ToLower(err.Error())

@@ -76,4 +76,6 @@ var (
 	// (P not dividing the rows, P > 1 on MLA/Sparse, block ids out of range
 	// or duplicated).
 	ErrInvalidStitch = errors.New("npu: invalid stitch")
+	// ErrInUse: CreateShm found its path owned by a live process.
+	ErrInUse = errors.New("npu: cache file in use by a live process")
 )

@@ -43,7 +43,23 @@
 //     sizes, CRC-32C; see header.go) leads the first page; the caches start
 //     at a 2 MiB-aligned data offset. The file is fully allocated, written
 //     under a temporary name and published with link(2), so it appears
-//     complete and never replaces an existing file.
+//     complete and never replaces an existing file by accident.
+//     The creating Host owns the file: an exclusive flock (internal/pidlock)
+//     taken before the file appears, held until Close, dropped by the
+//     kernel when the process dies however it dies. A file already at the
+//     path whose owner is alive is refused (ErrInUse, naming the owner's
+//     pid); one a dead owner left (SIGKILL, OOM kill, crash) is reclaimed
+//     without a person: in place when its header is valid and of the same
+//     shape (same file, contents kept), replaced when it is a valid kvflow
+//     file of another shape (the configuration changed), refused
+//     (ErrBadFile) when it is not a kvflow cache file (a typo'd path must
+//     never cost someone else's file). Reclaimed says which happened.
+//     An engine that maps the file is deliberately not an owner: it takes
+//     no lock, so a restarted worker takes its file back while the engine
+//     keeps running, and reclaiming in place (never unlink and recreate)
+//     keeps the engine's mapping and the worker's on the same memory; a
+//     new file would leave the engine reading blocks the worker never
+//     wrote.
 //   - OpenShm: attach to such a file (another process's, typically) and get
 //     the layout from its header. A file with the wrong magic, version,
 //     checksum or size, or a shape other than HostOptions.Expect, is
@@ -113,7 +129,9 @@
 //     block that was not listed.
 //   - Never write to, truncate or remove a file this process attached to;
 //     remove a file only if this Host created it with RemoveOnClose.
-//   - Never replace an existing file at CreateShm's path.
+//   - Never replace a file at CreateShm's path that a live process owns or
+//     that is not a kvflow cache file; never reclaim a dead owner's file of
+//     the same shape other than in place.
 //   - Never start goroutines that outlive a call, or more than the bound.
 //   - Never import a transfer engine (hw/mooncake) or use cgo here; accelerator
 //     backends live in their own packages behind build tags.

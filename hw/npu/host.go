@@ -50,6 +50,9 @@ type Host struct {
 	lockErr error // why the lock was refused, if it was
 	opts    StitchOptions
 
+	ownerLock *os.File // CreateShm: the file's owner lock (flock), held until Close
+	reclaimed string   // what CreateShm did with a dead owner's file ("" if none)
+
 	mu     sync.RWMutex // Stitch holds it shared, Close exclusive
 	closed bool
 }
@@ -122,6 +125,10 @@ func (h *Host) Data() []byte {
 // Path is the shared-memory file, "" for anonymous memory.
 func (h *Host) Path() string { return h.path }
 
+// Reclaimed says what CreateShm did with a file a dead owner had left at
+// its path: "" when it created the file afresh (and for NewHost, OpenShm).
+func (h *Host) Reclaimed() string { return h.reclaimed }
+
 // HugeTLB reports whether the memory came from MAP_HUGETLB pages
 // (transparent huge pages are advice and not reported).
 func (h *Host) HugeTLB() bool { return h.hugeTLB }
@@ -161,9 +168,15 @@ func (h *Host) Close() error {
 	}
 	h.mapping, h.data, h.base = nil, nil, 0
 	if h.remove {
+		// Removed while still locked: no other worker can have taken
+		// the name over yet.
 		if err := os.Remove(h.path); err != nil {
 			errs = append(errs, fmt.Errorf("npu: remove cache file: %w", err))
 		}
+	}
+	if h.ownerLock != nil {
+		h.ownerLock.Close() // drops the owner lock
+		h.ownerLock = nil
 	}
 	return errors.Join(errs...)
 }

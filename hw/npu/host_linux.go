@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"strconv"
 	"syscall"
@@ -13,6 +14,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvflow/kvflow/internal/pidlock"
 )
 
 const hugePage = 2 << 20
@@ -47,12 +50,31 @@ func NewHost(l Layout, opts HostOptions) (*Host, error) {
 	return newHost(l, mem, 0, "", false, huge, opts), nil
 }
 
-// CreateShm creates a new shared-memory cache file at path (typically under
+// CreateShm creates a shared-memory cache file at path (typically under
 // /dev/shm) for layout l: a self-describing header page, then zeroed caches
-// at a huge-page-aligned offset. The file appears atomically, complete, and
-// only if path did not exist (an existing file is an error wrapping
-// fs.ErrExist, and is left as it was). The memory is fully allocated up
-// front, so a too-small tmpfs fails here rather than faulting later.
+// at a huge-page-aligned offset. The file appears atomically, complete. The
+// memory is fully allocated up front, so a too-small tmpfs fails here
+// rather than faulting later.
+//
+// The Host owns the file for its lifetime: it holds an exclusive flock on
+// it (internal/pidlock), taken before the file appears and dropped by the
+// kernel when this process exits, however it exits. A file already at path
+// is:
+//   - owned by a live process: refused, with an error wrapping ErrInUse
+//     that names the owner's pid (when /proc/locks shows it);
+//   - left by a dead owner, with a valid header of shape l: reclaimed in
+//     place (same file, contents kept, no zeroing), so a serving engine
+//     that still maps it keeps seeing the memory this Host reads into and
+//     serves from; Reclaimed says so;
+//   - left by a dead owner, a valid kvflow cache file of another shape:
+//     removed, and a new file created; Reclaimed says so;
+//   - anything else (not a regular file, not a kvflow cache file, a bad
+//     header): refused with an error wrapping ErrBadFile, and left as it
+//     was.
+//
+// An engine that maps the file (OpenShm, the Python client's attach_cache)
+// takes no lock and is not an owner: the file's owner is the kvflow worker
+// that created it, and a restarted worker takes it back in place.
 func CreateShm(path string, l Layout, opts HostOptions) (*Host, error) {
 	if l.NumCaches() == 0 {
 		return nil, fmt.Errorf("%w: zero Layout", ErrInvalidShape)
@@ -60,9 +82,32 @@ func CreateShm(path string, l Layout, opts HostOptions) (*Host, error) {
 	if path == "" {
 		return nil, errors.New("npu: create cache file: empty path")
 	}
-	if _, err := os.Lstat(path); err == nil {
-		return nil, fmt.Errorf("npu: create cache file %s: %w", path, os.ErrExist)
+	// Each round either ends or saw the name change under it (another
+	// process created, reclaimed or removed it just then).
+	for range 4 {
+		if _, err := os.Lstat(path); errors.Is(err, fs.ErrNotExist) {
+			h, err := createShm(path, l, opts)
+			if !errors.Is(err, fs.ErrExist) {
+				return h, err
+			}
+		} else if err != nil {
+			return nil, fmt.Errorf("npu: create cache file %s: %w", path, err)
+		}
+		h, err := reclaimShm(path, l, opts)
+		if !errors.Is(err, errRetry) {
+			return h, err
+		}
 	}
+	return nil, fmt.Errorf("npu: create cache file %s: the name kept changing (processes racing for it?)", path)
+}
+
+// errRetry: the file at the path changed while CreateShm looked at it.
+var errRetry = errors.New("npu: cache file changed, retry")
+
+// createShm makes a new file under a temporary name, locks it and
+// publishes it at path with link(2), which never replaces a name: an
+// existing path is an error wrapping fs.ErrExist.
+func createShm(path string, l Layout, opts HostOptions) (*Host, error) {
 	mode := opts.Mode
 	if mode == 0 {
 		mode = 0o600
@@ -75,13 +120,16 @@ func CreateShm(path string, l Layout, opts HostOptions) (*Host, error) {
 	}
 	published := false
 	defer func() {
-		f.Close()
 		if !published {
+			f.Close()
 			os.Remove(tmp)
 		}
 	}()
 	fail := func(what string, err error) (*Host, error) {
 		return nil, fmt.Errorf("npu: create cache file %s: %s: %w", path, what, err)
+	}
+	if err := pidlock.TryLock(f); err != nil {
+		return fail("lock", err)
 	}
 	if err := f.Truncate(int64(hd.fileSize)); err != nil {
 		return fail("truncate", err)
@@ -104,7 +152,97 @@ func CreateShm(path string, l Layout, opts HostOptions) (*Host, error) {
 	}
 	published = true
 	os.Remove(tmp)
-	return newHost(l, mem, int(hd.dataOffset), path, opts.RemoveOnClose, huge, opts), nil
+	h := newHost(l, mem, int(hd.dataOffset), path, opts.RemoveOnClose, huge, opts)
+	h.ownerLock = f
+	return h, nil
+}
+
+// reclaimShm takes over the file at path if its owner is dead (see
+// CreateShm); errRetry if the name changed meanwhile.
+func reclaimShm(path string, l Layout, opts HostOptions) (_ *Host, err error) {
+	notOurs := func(what string) (*Host, error) {
+		return nil, fmt.Errorf("%w: %s: exists and is %s; not replacing it", ErrBadFile, path, what)
+	}
+	lst, err := os.Lstat(path)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return nil, errRetry
+	case err != nil:
+		return nil, fmt.Errorf("npu: create cache file %s: %w", path, err)
+	case lst.Mode()&fs.ModeSymlink != 0:
+		return notOurs("a symbolic link")
+	case !lst.Mode().IsRegular():
+		return notOurs("not a regular file")
+	}
+	f, err := os.OpenFile(path, os.O_RDWR|syscall.O_NOFOLLOW, 0)
+	switch {
+	case errors.Is(err, fs.ErrNotExist), errors.Is(err, syscall.ELOOP), errors.Is(err, syscall.EISDIR):
+		return nil, errRetry // replaced since Lstat
+	case err != nil:
+		return nil, fmt.Errorf("npu: create cache file %s: exists; open it: %w", path, err)
+	}
+	keep := false
+	defer func() {
+		if !keep {
+			f.Close()
+		}
+	}()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, fmt.Errorf("npu: create cache file %s: %w", path, err)
+	}
+	if !st.Mode().IsRegular() {
+		return notOurs("not a regular file")
+	}
+	if err := pidlock.TryLock(f); err != nil {
+		var held *pidlock.HeldError
+		if !errors.As(err, &held) {
+			return nil, fmt.Errorf("npu: create cache file %s: %w", path, err)
+		}
+		owner := "pid unknown"
+		if held.PID > 0 {
+			owner = "pid " + strconv.Itoa(held.PID)
+		}
+		return nil, fmt.Errorf("%w: %s (%s): another kvflow worker with this cache path is running", ErrInUse, path, owner)
+	}
+	// Locked, so its owner is dead (or it never had one). Make sure the
+	// lock is on the file the name still refers to.
+	if cur, err := os.Lstat(path); err != nil || !os.SameFile(st, cur) {
+		return nil, errRetry
+	}
+	buf := make([]byte, headerSize)
+	n, err := f.ReadAt(buf, 0)
+	if err != nil && !errors.Is(err, io.EOF) {
+		return nil, fmt.Errorf("npu: create cache file %s: read the header of the file a dead owner left: %w", path, err)
+	}
+	hd, fl, err := decodeHeader(path, buf[:n], st.Size())
+	if err != nil {
+		return nil, fmt.Errorf("npu: create cache file %s: exists without a live owner, and is not a kvflow cache file to reuse (remove it if it is stale): %w", path, err)
+	}
+	if hd.shape != l.shape {
+		// A kvflow file of another shape: this worker's configuration
+		// changed. Replace it (the name, while locked, then a new file).
+		if err := os.Remove(path); err != nil {
+			return nil, fmt.Errorf("npu: create cache file %s: remove a dead owner's file of another shape: %w", path, err)
+		}
+		h, err := createShm(path, l, opts)
+		if errors.Is(err, fs.ErrExist) {
+			return nil, errRetry
+		}
+		if h != nil {
+			h.reclaimed = fmt.Sprintf("replaced a dead owner's cache file of another shape (%+v)", hd.shape)
+		}
+		return h, err
+	}
+	mem, huge, err := mapShared(f, hd, opts)
+	if err != nil {
+		return nil, fmt.Errorf("npu: create cache file %s: mmap a dead owner's file: %w", path, err)
+	}
+	keep = true
+	h := newHost(fl, mem, int(hd.dataOffset), path, opts.RemoveOnClose, huge, opts)
+	h.ownerLock = f
+	h.reclaimed = "reused in place a dead owner's cache file of the same shape (contents kept)"
+	return h, nil
 }
 
 // OpenShm attaches to an existing cache file made by CreateShm (by this or

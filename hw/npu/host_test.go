@@ -212,10 +212,12 @@ func TestShmSecondProcess(t *testing.T) {
 		t.Fatalf("closing an attached Host removed the file: %v", err)
 	}
 
-	// An existing name is never replaced.
+	// A name owned by a live Host is never replaced; the error names the
+	// file and the owner.
 	sum := fileSum(t, path)
-	if _, err := CreateShm(path, l, HostOptions{}); !errors.Is(err, fs.ErrExist) {
-		t.Errorf("CreateShm over an existing file = %v", err)
+	if _, err := CreateShm(path, l, HostOptions{}); !errors.Is(err, ErrInUse) ||
+		!strings.Contains(err.Error(), path) || !strings.Contains(err.Error(), fmt.Sprintf("pid %d", os.Getpid())) {
+		t.Errorf("CreateShm over a live owner's file = %v", err)
 	}
 	if fileSum(t, path) != sum {
 		t.Error("CreateShm changed the existing file")

@@ -33,4 +33,17 @@
 //
 // The codec (Decode/Encode, Dispatch) is pure; the socket is
 // sidechannel.NewRouter's, on the process's one ZMQ context.
+//
+// # Who holds an ipc:// socket
+//
+// ZMQ's ipc bind unlinks whatever file is at the path and binds anew, so a
+// second worker with the same engine id, role and ranks would silently take
+// the first one's engine away; and ZMQ never removes the file it bound.
+// LockSocket, called before the bind, makes the path this process's: an
+// exclusive flock on <path>.lock (its pid written in it for people), which
+// the kernel drops when the process dies. A live holder is ErrInUse (the
+// binary exits 2), naming the endpoint and the holder's pid; a dead one's
+// lock file and socket file are taken over (the bind replaces the stale
+// socket). SocketLock.Release, after the ZMQ context is terminated, removes
+// the socket file and the lock file while still holding the lock.
 package control

@@ -107,6 +107,9 @@ func Start(cfg config.Config, deps Deps) (_ *Node, err error) {
 		return nil, fmt.Errorf("node: kv cache: %w", err)
 	}
 	n.closers = append(n.closers, func(context.Context) error { return n.Device.Close() })
+	if how := n.Device.Reclaimed(); how != "" {
+		log.Warn("kv cache file left by a dead worker taken over", "path", n.Device.Path(), "how", how)
+	}
 	if locked, lerr := n.Device.Locked(); !locked && lerr != nil {
 		log.Warn("kv cache memory not locked: transfers may fault pages in, and reclaim may take them", "err", lerr)
 	}

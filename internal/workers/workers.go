@@ -98,6 +98,13 @@ func (w *Worker) Pid() int { return w.cmd.Process.Pid }
 // Exited is closed when the process has exited.
 func (w *Worker) Exited() <-chan struct{} { return w.exited }
 
+// Err is the process's exit error (exec.Cmd.Wait's) once Exited is
+// closed: nil for exit 0.
+func (w *Worker) Err() error {
+	<-w.exited
+	return w.err
+}
+
 // ShmDir makes a directory for shm cache files under /dev/shm (or, with
 // no /dev/shm, under fallback); the caller removes it.
 func ShmDir(prefix, fallback string) (string, error) {
