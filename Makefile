@@ -29,7 +29,7 @@ vet-mooncake: deps
 # The pure packages (the pipeline and every stage) must build and test
 # without cgo.
 test-nocgo:
-	CGO_ENABLED=0 $(GO) test -count=1 ./pipeline/... ./stages/...
+	CGO_ENABLED=0 $(GO) test -count=1 ./pipeline/... ./stages/... ./internal/sched/...
 
 test: deps vet vet-mooncake test-nocgo
 	$(GO) test $(TESTFLAGS) $(PKGS)
