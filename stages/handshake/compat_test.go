@@ -27,7 +27,7 @@ func sizesOf(p plan.Parallel) npu.Sizes { return npu.Sizes{TP: p.TP, PP: p.PP, P
 
 // worker builds the shape a worker of topo (prefill or decode, rank r)
 // allocates: its PP stage's layers and max(1, H/tp) heads.
-func worker(t *testing.T, topo plan.Topology, prefill bool, r npu.RankPos, headDim int) side {
+func worker(t testing.TB, topo plan.Topology, prefill bool, r npu.RankPos, headDim int) side {
 	t.Helper()
 	own := topo.Decode
 	if prefill {
@@ -59,7 +59,7 @@ func cacheLayout(l npu.Layout) plan.CacheLayout {
 	return plan.CacheLayout{BlockLen: bl, CachesPerLayer: l.NumParts()}
 }
 
-func planned(t *testing.T, topo plan.Topology) *job.Job {
+func planned(t testing.TB, topo plan.Topology) *job.Job {
 	t.Helper()
 	j := job.New(plan.Request{ID: "req-7", LocalBlockIDs: []int{1, 2}, RemoteBlockIDs: []int{3, 4}, RemoteHost: "127.0.0.1",
 		RemotePort: 30000, RemoteEngineID: "P", RemotePCPSize: 1, RemoteDCPSize: 1}, time.Now())
@@ -271,5 +271,39 @@ func TestStageRefusesPeer(t *testing.T) {
 	}
 	if cache.Len() != 1 || fetches.Load() != 4 {
 		t.Fatalf("%d cached, %d fetches; want 1 and 4", cache.Len(), fetches.Load())
+	}
+}
+
+// BenchmarkCompatCheck is the check's cost per task, paid on every job:
+// a kvflow peer (fingerprint) and a seed peer (segment of 2 × 61 buffers).
+func BenchmarkCompatCheck(b *testing.B) {
+	topo := plan.Topology{Prefill: plan.Parallel{TP: 4, PP: 1, DP: 1}, Decode: plan.Parallel{TP: 2, PP: 1, DP: 1},
+		Model: plan.Model{NumLayers: 61, NumKVHeads: 8}}
+	dec := worker(b, topo, false, npu.RankPos{}, 128)
+	j := planned(b, topo)
+	task := j.Plan.Tasks[0]
+	pre := worker(b, topo, true, npu.RankPos{TP: task.RemoteRank}, 128)
+	var bufs []Buffer
+	for _, r := range pre.layout.Regions(1 << 30) {
+		bufs = append(bufs, Buffer{Addr: r.Addr, Len: r.Len})
+	}
+	c, err := NewCompat(CompatOptions{Topology: topo, Layout: cacheLayout(dec.layout), Local: dec.fp,
+		Segments: SegmentListerFunc(func(context.Context, string) ([]Buffer, error) { return bufs, nil })})
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, fp := range []*npu.Fingerprint{&pre.fp, nil} {
+		name := "fingerprint"
+		if fp == nil {
+			name = "seed-segment"
+		}
+		b.Run(name, func(b *testing.B) {
+			j.Metas[0] = job.Meta{EngineID: "P", TERPCPort: 1, NumBlocks: 32, BaseAddrs: pre.layout.BaseAddrs(1 << 30), Cache: fp}
+			for b.Loop() {
+				if err := c.Check(context.Background(), j, 0); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
 	}
 }
