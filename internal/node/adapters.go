@@ -68,8 +68,8 @@ func PeerBuffers(e mooncake.Engine) handshake.SegmentLister {
 func Fingerprint(cfg config.Config, layout npu.Layout) npu.Fingerprint {
 	f := layout.Fingerprint()
 	tp := cfg.Topology()
-	f.Prefill = npu.Sizes{TP: tp.Prefill.TP, PP: tp.Prefill.PP, PCP: max(1, tp.Prefill.PCP), DCP: max(1, tp.Prefill.DCP)}
-	f.Decode = npu.Sizes{TP: tp.Decode.TP, PP: tp.Decode.PP, PCP: max(1, tp.Decode.PCP), DCP: max(1, tp.Decode.DCP)}
+	f.Prefill = npu.Sizes{TP: tp.Prefill.TP, PP: max(1, tp.Prefill.PP), PCP: max(1, tp.Prefill.PCP), DCP: max(1, tp.Prefill.DCP)}
+	f.Decode = npu.Sizes{TP: tp.Decode.TP, PP: max(1, tp.Decode.PP), PCP: max(1, tp.Decode.PCP), DCP: max(1, tp.Decode.DCP)}
 	f.Rank = npu.RankPos{TP: cfg.Rank.TP, PP: cfg.Rank.PP, PCP: cfg.Rank.PCP}
 	return f
 }

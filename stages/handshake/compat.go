@@ -152,7 +152,7 @@ func (c *Compat) Expect(t plan.Task, numBlocks int) npu.Fingerprint {
 }
 
 func sizes(p plan.Parallel) npu.Sizes {
-	return npu.Sizes{TP: p.TP, PP: p.PP, PCP: max(1, p.PCP), DCP: max(1, p.DCP)}
+	return npu.Sizes{TP: p.TP, PP: max(1, p.PP), PCP: max(1, p.PCP), DCP: max(1, p.DCP)}
 }
 
 // Check compares task i's peer (j.Metas[i]) with what the read of it
@@ -255,7 +255,7 @@ func compare(f, e npu.Fingerprint, t plan.Task, prefillTP int, m job.Meta) []Mis
 			for _, v := range []struct {
 				n    string
 				g, w int
-			}{{"tp_size", g.TP, w.TP}, {"pp_size", g.PP, w.PP}, {"pcp_size", max(1, g.PCP), w.PCP}, {"dcp_size", max(1, g.DCP), w.DCP}} {
+			}{{"tp_size", g.TP, w.TP}, {"pp_size", max(1, g.PP), w.PP}, {"pcp_size", max(1, g.PCP), w.PCP}, {"dcp_size", max(1, g.DCP), w.DCP}} {
 				if v.g != v.w {
 					add("topology", s.name+"."+v.n+" in the peer's configuration", itoa(v.g), itoa(v.w))
 				}
