@@ -404,6 +404,10 @@ func (s Stage) Process(ctx context.Context, j *job.Job) error {
 				// Not cached as good: fetching it again fails the same
 				// way until the peer's metadata changes.
 				s.Cache.Refuse(KeyOf(j, i), j.Metas[i], err)
+			} else {
+				// The peer's transfer engine could not be listed: its
+				// cached metadata (te_rpc_port) may be stale.
+				s.Cache.Invalidate(KeyOf(j, i))
 			}
 			return err
 		}
