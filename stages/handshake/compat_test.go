@@ -307,3 +307,31 @@ func BenchmarkCompatCheck(b *testing.B) {
 		})
 	}
 }
+
+// TestStageListingFails: a seed peer whose transfer engine cannot be
+// listed fails the job (not as a mismatch) and its cached metadata is
+// dropped, so the next job fetches fresh metadata (a restarted peer's new
+// te_rpc_port).
+func TestStageListingFails(t *testing.T) {
+	topo := plan.Topology{Prefill: plan.Parallel{TP: 1, PP: 1, DP: 1}, Decode: plan.Parallel{TP: 1, PP: 1, DP: 1},
+		Model: plan.Model{NumLayers: 2, NumKVHeads: 8}}
+	dec := worker(t, topo, false, npu.RankPos{}, 16)
+	cache, err := NewCache(FetcherFunc(func(context.Context, string) (job.Meta, error) {
+		return job.Meta{EngineID: "P", TERPCPort: 1, NumBlocks: 32, BaseAddrs: dec.layout.BaseAddrs(1 << 20)}, nil
+	}), Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := NewCompat(CompatOptions{Topology: topo, Layout: cacheLayout(dec.layout), Local: dec.fp,
+		Segments: SegmentListerFunc(func(context.Context, string) ([]Buffer, error) { return nil, errors.New("connection refused") })})
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = Stage{Cache: cache, Compat: c}.Process(context.Background(), planned(t, topo))
+	if err == nil || errors.Is(err, ErrIncompatible) || !strings.Contains(err.Error(), "connection refused") {
+		t.Fatalf("error %v", err)
+	}
+	if cache.Len() != 0 {
+		t.Fatal("metadata of an unlisted peer kept")
+	}
+}
