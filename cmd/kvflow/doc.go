@@ -4,7 +4,7 @@
 //	kvflow serve    one prefill or decode worker (config file + flags)
 //	kvflow demo     prefill and decode workers on loopback, every byte verified
 //	kvflow plan     validate a topology and print a request's plan
-//	kvflow probe    fetch a side channel's metadata, optionally send a DONE
+//	kvflow probe    fetch a side channel's metadata and cache fingerprint, compare it with a decode config, optionally send a DONE
 //	                (--auth curve and serve's auth-*-key-file flags for CURVE)
 //	kvflow bench    te (transfer engine, transfer_engine_bench flags), e2e
 //	kvflow keygen   a CURVE key pair for auth.mode curve

@@ -40,7 +40,7 @@ func commands() []command {
 		{"serve", "run one prefill or decode worker", runServe},
 		{"demo", "prefill and decode workers on loopback, every byte verified", runDemo},
 		{"plan", "validate a topology and print a request's plan", runPlan},
-		{"probe", "fetch a side channel's metadata, optionally send a DONE", runProbe},
+		{"probe", "fetch a side channel's metadata and cache fingerprint, compare it with a decode config, optionally send a DONE", runProbe},
 		{"bench", "benchmarks: te (transfer engine), e2e", runBench},
 		{"keygen", "write a CURVE key pair for auth.mode curve", runKeygen},
 		{"version", "print the version", func(ctx context.Context, args []string, stdout, stderr io.Writer) error {

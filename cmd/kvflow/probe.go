@@ -7,10 +7,16 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"time"
 
+	"github.com/kvflow/kvflow/hw/npu"
 	"github.com/kvflow/kvflow/internal/config"
+	"github.com/kvflow/kvflow/internal/node"
 	"github.com/kvflow/kvflow/internal/sidechannel"
+	"github.com/kvflow/kvflow/stages/handshake"
+	"github.com/kvflow/kvflow/stages/job"
+	"github.com/kvflow/kvflow/stages/plan"
 )
 
 func runProbe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -20,6 +26,7 @@ func runProbe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	done := fs.String("done", "", "also send DONE_RECVING for this `REQUEST_ID` and wait for the ACK")
 	asJSON := fs.Bool("json", false, "print JSON")
 	timeout := fs.Duration("timeout", 3*time.Second, "overall timeout")
+	cfgPath := fs.String("config", "", "a decode worker's JSON configuration `FILE` (as kvflow serve's --config): compare the peer's cache with the one it expects")
 	// The same flags as kvflow serve's auth.* (a decode worker's view).
 	var auth probeAuth
 	fs.StringVar(&auth.mode, "auth", config.AuthOff, "side channel authentication: off|curve (as the server's auth.mode)")
@@ -37,6 +44,14 @@ func runProbe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	if err := auth.validate(); err != nil {
 		return err
+	}
+	var exp *probeExpect
+	if *cfgPath != "" {
+		e, err := loadProbeExpect(*cfgPath)
+		if err != nil {
+			return err
+		}
+		exp = &e
 	}
 	curve, err := auth.load()
 	if err != nil {
@@ -69,6 +84,17 @@ func runProbe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		"num_blocks": m.NumBlocks, "kv_caches_base_addr": m.KVCachesBaseAddr,
 		"boot_epoch": m.Ext.BootEpoch, "get_meta_rtt_us": rtt.Microseconds(),
 	}
+	if m.Ext.Cache != nil {
+		out["cache"] = fingerprintJSON(m.Ext.Cache)
+	}
+	var incompatible error
+	if exp != nil {
+		incompatible = exp.check(ctx, *remote, m)
+		out["compatible"] = incompatible == nil
+		if incompatible != nil {
+			out["mismatch"] = incompatible.Error()
+		}
+	}
 	if *done != "" {
 		t1 := time.Now()
 		if err := c.SendDone(ctx, *remote, *done); err != nil {
@@ -81,14 +107,115 @@ func runProbe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if *asJSON {
 		enc := json.NewEncoder(stdout)
 		enc.SetIndent("", "  ")
-		return enc.Encode(out)
+		if err := enc.Encode(out); err != nil {
+			return err
+		}
+		return incompatible
 	}
 	fmt.Fprintf(stdout, "remote       %s\nengine_id    %s\nte_rpc_port  %d\nnum_blocks   %d\ncaches       %d base addresses (first %#x)\nboot_epoch   %d\nget_meta     %v\n",
 		*remote, m.EngineID, m.TERPCPort, m.NumBlocks, len(m.KVCachesBaseAddr), first(m.KVCachesBaseAddr), m.Ext.BootEpoch, rtt)
 	if *done != "" {
 		fmt.Fprintf(stdout, "done         %q acked in %v\n", *done, out["done_rtt_us"].(int64))
 	}
-	return nil
+	if f := m.Ext.Cache; f != nil {
+		fmt.Fprintf(stdout, "cache        %s %s, block_size %d, kv_heads %d, head_dim %d, kv_lora_rank %d, qk_rope_head_dim %d, indexer_dim %d\n",
+			f.Kind, f.DType, f.BlockSize, f.KVHeads, f.HeadDim, f.KVLoraRank, f.QKRopeHeadDim, f.IndexerDim)
+		fmt.Fprintf(stdout, "             layers %d, block_len %v, num_blocks %d\n", f.Layers, f.BlockLens, f.NumBlocks)
+		fmt.Fprintf(stdout, "             prefill tp/pp/pcp/dcp %d/%d/%d/%d, decode %d/%d/%d/%d, rank tp %d pp %d pcp %d\n",
+			f.Prefill.TP, f.Prefill.PP, f.Prefill.PCP, f.Prefill.DCP, f.Decode.TP, f.Decode.PP, f.Decode.PCP, f.Decode.DCP, f.Rank.TP, f.Rank.PP, f.Rank.PCP)
+	} else {
+		fmt.Fprintf(stdout, "cache        no fingerprint (a seed or Mooncake peer, or an older kvflow)\n")
+	}
+	if exp != nil {
+		if incompatible != nil {
+			fmt.Fprintf(stdout, "compatible   no: %v\n", incompatible)
+		} else {
+			fmt.Fprintf(stdout, "compatible   yes (%s)\n", exp.what(m))
+		}
+	}
+	return incompatible
+}
+
+// probeExpect is what a decode worker configured as --config says expects
+// from a prefill peer.
+type probeExpect struct {
+	cfg    config.Config
+	compat *handshake.Compat
+}
+
+func loadProbeExpect(path string) (probeExpect, error) {
+	cfg, err := config.Load(path)
+	if err != nil {
+		return probeExpect{}, usageError{fmt.Errorf("--config: %w", err)}
+	}
+	if err := cfg.Validate(); err != nil {
+		return probeExpect{}, usageError{fmt.Errorf("--config %s: invalid configuration:\n%w", path, err)}
+	}
+	if cfg.Role() != config.Decode {
+		return probeExpect{}, usageError{fmt.Errorf("--config %s: kv_role %q: want a decode worker's configuration (kv_consumer)", path, cfg.KVTransfer.KVRole)}
+	}
+	shape, err := cfg.Shape()
+	if err != nil {
+		return probeExpect{}, usageError{fmt.Errorf("--config %s: %w", path, err)}
+	}
+	layout, err := npu.NewLayout(shape)
+	if err != nil {
+		return probeExpect{}, usageError{fmt.Errorf("--config %s: %w", path, err)}
+	}
+	c, err := handshake.NewCompat(handshake.CompatOptions{Topology: cfg.Topology(), Layout: node.CacheLayout(layout), Local: node.Fingerprint(cfg, layout)})
+	if err != nil {
+		return probeExpect{}, err
+	}
+	return probeExpect{cfg: cfg, compat: c}, nil
+}
+
+// rank is the peer's rank: the one its fingerprint states, else tp 0 of PP
+// stage 0 (a seed peer does not say).
+func (e probeExpect) rank(m sidechannel.Metadata) npu.RankPos {
+	if m.Ext.Cache != nil {
+		return m.Ext.Cache.Rank
+	}
+	return npu.RankPos{}
+}
+
+func (e probeExpect) what(m sidechannel.Metadata) string {
+	r := e.rank(m)
+	s := fmt.Sprintf("as prefill rank tp %d pp %d pcp %d", r.TP, r.PP, r.PCP)
+	if m.Ext.Cache == nil {
+		s += "; without a fingerprint only the number of base addresses is checked here (a decode worker also checks the registered buffers)"
+	}
+	return s
+}
+
+// check compares m with what the configured decode worker expects of the
+// peer at remote, as its handshake stage would before reading.
+func (e probeExpect) check(ctx context.Context, remote string, m sidechannel.Metadata) error {
+	topo := e.cfg.Topology()
+	r := e.rank(m)
+	start, end, err := plan.PPIndices(topo.Model.NumLayers, r.PP, max(1, topo.Prefill.PP), topo.PPLayerPartition)
+	if err != nil {
+		return fmt.Errorf("peer's pp rank %d: %w", r.PP, err)
+	}
+	host, _, _ := net.SplitHostPort(remote)
+	t := plan.Task{P: topo.NeedPulls(), LayerStart: start, LayerEnd: end, PPStage: r.PP,
+		RemoteRank: r.TP + (r.PP+r.PCP)*max(1, topo.Prefill.TP)}
+	j := job.New(plan.Request{ID: "probe", RemoteHost: host, RemoteEngineID: m.EngineID}, time.Now())
+	defer j.Release()
+	j.Plan = plan.Plan{RequestID: "probe", RemoteHost: host, RemoteEngineID: m.EngineID, P: t.P, Tasks: []plan.Task{t}}
+	j.Metas = []job.Meta{{EngineID: m.EngineID, TERPCPort: m.TERPCPort, BaseAddrs: m.KVCachesBaseAddr, NumBlocks: m.NumBlocks, Cache: m.Ext.Cache}}
+	return e.compat.Check(ctx, j, 0)
+}
+
+// fingerprintJSON is f with the wire's key names.
+func fingerprintJSON(f *npu.Fingerprint) map[string]any {
+	return map[string]any{
+		"kind": f.Kind.String(), "dtype": f.DType.String(), "block_size": f.BlockSize, "kv_heads": f.KVHeads,
+		"head_dim": f.HeadDim, "kv_lora_rank": f.KVLoraRank, "qk_rope_head_dim": f.QKRopeHeadDim, "indexer_dim": f.IndexerDim,
+		"layers": f.Layers, "block_len": f.BlockLens, "num_blocks": f.NumBlocks,
+		"prefill": []int{f.Prefill.TP, f.Prefill.PP, f.Prefill.PCP, f.Prefill.DCP},
+		"decode":  []int{f.Decode.TP, f.Decode.PP, f.Decode.PCP, f.Decode.DCP},
+		"rank":    []int{f.Rank.TP, f.Rank.PP, f.Rank.PCP},
+	}
 }
 
 func first(a []uint64) uint64 {

@@ -174,3 +174,75 @@ func TestProbeAuthFlags(t *testing.T) {
 		})
 	}
 }
+
+// TestProbeCompat: with a decode worker's --config, probe shows the peer's
+// cache fingerprint and compares it as the decode worker would: a match
+// exits 0, a mismatch exits 1 naming the field and both values, a
+// configuration that is not a decode worker's exits 2.
+func TestProbeCompat(t *testing.T) {
+	remote := startProbePrefill(t, config.Auth{Mode: config.AuthOff})
+	dir := t.TempDir()
+	decodeConfig := func(name string, edit func(*config.Config)) string {
+		c := config.Default()
+		kv := &c.KVTransfer
+		kv.KVConnectorExtraConfig.Prefill = config.Parallel{TPSize: 1, DPSize: 1, PPSize: 1}
+		kv.KVConnectorExtraConfig.Decode = config.Parallel{TPSize: 1, DPSize: 1, PPSize: 1}
+		kv.KVRole, kv.EngineID = config.KVConsumer, "probe-D"
+		c.Model = config.Model{NumLayers: 2, NumKVHeads: 8, HeadDim: 16, BlockSize: 16, DType: "bf16", NumBlocks: 64}
+		if edit != nil {
+			edit(&c)
+		}
+		path := filepath.Join(dir, name+".json")
+		f, err := os.Create(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		if err := c.Print(f); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	cases := []struct {
+		name string
+		edit func(*config.Config)
+		code int
+		want string // in stdout (exit 0, 1) or stderr (exit 2)
+	}{
+		{"matching", nil, exitOK, "compatible   yes (as prefill rank tp 0 pp 0 pcp 0)"},
+		{"block_size", func(c *config.Config) { c.Model.BlockSize = 32 }, exitRuntime,
+			"compatible   no: peer probe-P tp 0: block_size is 16, this decode expects 32; block_len of part 0 is 4096, this decode expects 8192"},
+		{"prefill tp", func(c *config.Config) {
+			c.KVTransfer.KVConnectorExtraConfig.Prefill.TPSize = 2
+		}, exitRuntime, "kv_heads is 8, this decode expects 4"},
+		{"prefill config", func(c *config.Config) { c.KVTransfer.KVRole = config.KVProducer }, exitUsage, "want a decode worker's configuration"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			code, out, errOut := runCmd("probe", "--remote", remote, "--timeout", "2s", "--config", decodeConfig(strings.ReplaceAll(tc.name, " ", "_"), tc.edit))
+			if code != tc.code {
+				t.Fatalf("exit %d, want %d; stdout %q stderr %q", code, tc.code, out, errOut)
+			}
+			where := out
+			if code == exitUsage {
+				where = errOut
+			}
+			if !strings.Contains(where, tc.want) {
+				t.Fatalf("output %q does not contain %q", where, tc.want)
+			}
+			if code != exitUsage && !strings.Contains(out, "cache        gqa bf16, block_size 16, kv_heads 8, head_dim 16") {
+				t.Errorf("no fingerprint in %q", out)
+			}
+		})
+	}
+	// --json carries the fingerprint and the verdict.
+	code, out, _ := runCmd("probe", "--remote", remote, "--json", "--config", decodeConfig("json", nil))
+	var got map[string]any
+	if err := json.Unmarshal([]byte(out), &got); code != exitOK || err != nil {
+		t.Fatalf("exit %d, %v: %q", code, err, out)
+	}
+	cache, _ := got["cache"].(map[string]any)
+	if got["compatible"] != true || cache["block_size"] != float64(16) || cache["num_blocks"] != float64(16) {
+		t.Fatalf("json %v", got)
+	}
+}

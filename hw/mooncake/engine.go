@@ -57,6 +57,17 @@ type StridedReader interface {
 	BatchReadStrided(ctx context.Context, session string, ops []Op, s Stride) error
 }
 
+// SegmentReader is an Engine that can list a peer's registered buffers from
+// the segment descriptor of its handshake (the TCP engine): a decode worker
+// checks a peer whose side channel sends no cache fingerprint against it.
+type SegmentReader interface {
+	Engine
+	// PeerBuffers returns the buffers session's segment descriptor lists,
+	// handshaking first when the session is new or stale. The slice is
+	// shared: do not modify it.
+	PeerBuffers(ctx context.Context, session string) ([]BufferDesc, error)
+}
+
 // Engine is a transfer engine with Mooncake's semantics. Implementations
 // are safe for concurrent use.
 type Engine interface {

@@ -536,6 +536,17 @@ func (e *TCPEngine) peer(ctx context.Context, session string) (*peer, error) {
 	return p, nil
 }
 
+// PeerBuffers implements SegmentReader: the registered buffers of
+// session's segment descriptor, from the handshake the next batch to the
+// session uses too.
+func (e *TCPEngine) PeerBuffers(ctx context.Context, session string) ([]BufferDesc, error) {
+	p, err := e.peer(ctx, session)
+	if err != nil {
+		return nil, err
+	}
+	return p.buffers(), nil
+}
+
 // handshake exchanges segment descriptors over the peer's RPC port: a
 // Metadata frame with ours, a Metadata frame with theirs.
 func (e *TCPEngine) handshake(ctx context.Context, host string, port int) (*SegmentDesc, error) {

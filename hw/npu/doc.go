@@ -121,6 +121,16 @@
 // freeing the memory. StitchMemory and StitchBlock are the reference any
 // backend's kernel is tested against.
 //
+// # Fingerprint
+//
+// Layout.Fingerprint is everything about a cache that changes its bytes or
+// the address arithmetic of a read (kind, dtype, block size, heads and
+// dims, layers, each part's block_len, num_blocks); the caller adds the
+// instance sizes and rank its configuration states. Prefill workers send
+// it with their metadata and decode workers compare it with the cache
+// their reads assume (package handshake), so a peer shaped otherwise is
+// refused before any byte moves.
+//
 // # Never
 //
 //   - Never reorder kv_caches_base_addr or compute block_len other than the

@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/kvflow/kvflow/hw/npu"
 	"github.com/kvflow/kvflow/pipeline"
 	"github.com/kvflow/kvflow/stages/handshake"
 	"github.com/kvflow/kvflow/stages/job"
@@ -87,6 +88,13 @@ type Options struct {
 	PeerAbortTimeout time.Duration
 	Layout           plan.CacheLayout
 	Local            plan.Caches
+	// LocalCache is this worker's cache fingerprint: with it the handshake
+	// stage checks every peer's cache against it before any read
+	// (handshake.Compat), a peer without a fingerprint through
+	// PeerBuffers (its transfer engine's registered buffers; nil: such
+	// peers go unchecked). nil: no check.
+	LocalCache  *npu.Fingerprint
+	PeerBuffers handshake.SegmentLister
 
 	Stages StageSizes
 	// HandshakeCacheSize, HandshakeTimeout, NotifyTimeout, PerSession:
@@ -290,12 +298,21 @@ func New(o Options) (*Worker, error) {
 		rdStage = staleGuard{Stage: rd, abort: o.PeerAbortTimeout, now: time.Now, refused: w.stale, renewing: o.Renewer != nil}
 	}
 	st := o.Stages
-	var hsStage pipeline.Stage[*job.Job] = handshake.Stage{Cache: hs}
+	var compat *handshake.Compat
+	if o.LocalCache != nil {
+		compat, err = handshake.NewCompat(handshake.CompatOptions{
+			Topology: o.Topology, Layout: o.Layout, Local: *o.LocalCache, Segments: o.PeerBuffers, Registerer: reg,
+		})
+		if err != nil {
+			return nil, err
+		}
+	}
+	var hsStage pipeline.Stage[*job.Job] = handshake.Stage{Cache: hs, Compat: compat}
 	if o.Renewer != nil {
 		if w.rn, err = newRenewer(o.Renewer, w.log, reg); err != nil {
 			return nil, fmt.Errorf("decode: register metrics: %w", err)
 		}
-		hsStage = leaseStage{Stage: handshake.Stage{Cache: hs}, rn: w.rn}
+		hsStage = leaseStage{Stage: handshake.Stage{Cache: hs, Compat: compat}, rn: w.rn}
 	}
 	p, err := pipeline.New(pipeline.Config[*job.Job]{
 		Stages: []pipeline.StageConfig[*job.Job]{

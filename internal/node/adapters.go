@@ -6,6 +6,7 @@ import (
 
 	"github.com/kvflow/kvflow/hw/mooncake"
 	"github.com/kvflow/kvflow/hw/npu"
+	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/sidechannel"
 	"github.com/kvflow/kvflow/stages/handshake"
 	"github.com/kvflow/kvflow/stages/job"
@@ -38,7 +39,39 @@ func (f fetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, error)
 		return job.Meta{}, err
 	}
 	return job.Meta{EngineID: m.EngineID, TERPCPort: m.TERPCPort, BaseAddrs: m.KVCachesBaseAddr,
-		NumBlocks: m.NumBlocks, BootEpoch: m.Ext.BootEpoch, LeaseTTL: m.Ext.LeaseTTL, BatchDone: m.Ext.BatchDone}, nil
+		NumBlocks: m.NumBlocks, BootEpoch: m.Ext.BootEpoch, LeaseTTL: m.Ext.LeaseTTL, BatchDone: m.Ext.BatchDone, Cache: m.Ext.Cache}, nil
+}
+
+// PeerBuffers adapts an engine that lists its peers' registered buffers
+// (mooncake.SegmentReader) to handshake.SegmentLister; nil for one that
+// cannot (its peers without a cache fingerprint go unchecked).
+func PeerBuffers(e mooncake.Engine) handshake.SegmentLister {
+	sr, ok := e.(mooncake.SegmentReader)
+	if !ok {
+		return nil
+	}
+	return handshake.SegmentListerFunc(func(ctx context.Context, session string) ([]handshake.Buffer, error) {
+		bufs, err := sr.PeerBuffers(ctx, session)
+		if err != nil {
+			return nil, err
+		}
+		out := make([]handshake.Buffer, len(bufs))
+		for i, b := range bufs {
+			out[i] = handshake.Buffer{Addr: b.Addr, Len: b.Length}
+		}
+		return out, nil
+	})
+}
+
+// Fingerprint is a worker's cache fingerprint: its layout's, with the
+// instance sizes and the worker's rank as cfg states them.
+func Fingerprint(cfg config.Config, layout npu.Layout) npu.Fingerprint {
+	f := layout.Fingerprint()
+	tp := cfg.Topology()
+	f.Prefill = npu.Sizes{TP: tp.Prefill.TP, PP: max(1, tp.Prefill.PP), PCP: max(1, tp.Prefill.PCP), DCP: max(1, tp.Prefill.DCP)}
+	f.Decode = npu.Sizes{TP: tp.Decode.TP, PP: max(1, tp.Decode.PP), PCP: max(1, tp.Decode.PCP), DCP: max(1, tp.Decode.DCP)}
+	f.Rank = npu.RankPos{TP: cfg.Rank.TP, PP: cfg.Rank.PP, PCP: cfg.Rank.PCP}
+	return f
 }
 
 type transfer struct{ e mooncake.Engine }

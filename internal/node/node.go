@@ -173,6 +173,7 @@ func (n *Node) startDecode(log *slog.Logger, layout npu.Layout) error {
 		return err
 	}
 	n.Notify = nc
+	fp := Fingerprint(cfg, layout)
 	w, err := decode.New(decode.Options{
 		Topology:           cfg.Topology(),
 		Self:               cfg.Self(),
@@ -184,6 +185,8 @@ func (n *Node) startDecode(log *slog.Logger, layout npu.Layout) error {
 		Renewer:            nc,
 		Layout:             CacheLayout(layout),
 		Local:              plan.Caches{Base: n.Device.BaseAddrs(), NumBlocks: n.Shape.NumBlocks},
+		LocalCache:         &fp,
+		PeerBuffers:        PeerBuffers(n.Engine),
 		Stages:             stageSizes(cfg.Pipeline),
 		HandshakeCacheSize: cfg.Handshake.CacheSize,
 		HandshakeTimeout:   time.Duration(max(1, cfg.Handshake.Attempts)) * (cfg.Handshake.Timeout.D() + cfg.Handshake.RetryBackoff.D()),
@@ -228,6 +231,7 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 	if epoch == 0 {
 		epoch = uint64(time.Now().UnixNano())
 	}
+	fp := Fingerprint(cfg, n.Device.Layout())
 	var grants prefill.Grants
 	if cfg.Read.Grants {
 		grants = engineGrants{e: n.Engine, d: n.Device}
@@ -246,7 +250,9 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 			TERPCPort:        n.Engine.RPCPort(),
 			KVCachesBaseAddr: n.Device.BaseAddrs(),
 			NumBlocks:        n.Shape.NumBlocks,
-			Ext:              sidechannel.Ext{BootEpoch: epoch},
+			// The cache fingerprint lets kvflow decode workers refuse a
+			// cache shaped other than theirs before reading it.
+			Ext: sidechannel.Ext{BootEpoch: epoch, Cache: &fp},
 		},
 	})
 	if err != nil {

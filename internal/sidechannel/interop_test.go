@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvflow/kvflow/hw/npu"
 	"github.com/kvflow/kvflow/internal/sidechannel/wire"
 )
 
@@ -125,7 +126,11 @@ func TestInteropSeedServer(t *testing.T) {
 func TestInteropSeedClient(t *testing.T) {
 	needSeedPython(t)
 	e := newEnv(t)
-	for _, ext := range []Ext{{}, {BootEpoch: 1<<63 + 9}, {BootEpoch: 3, LeaseTTL: time.Second, BatchDone: true}} {
+	fp := &npu.Fingerprint{Kind: npu.MLA, DType: npu.BF16, BlockSize: 128, KVHeads: 1, KVLoraRank: 512, QKRopeHeadDim: 64,
+		Layers: 1, BlockLens: []int{131072, 16384}, NumBlocks: 8, Prefill: npu.Sizes{TP: 2, PP: 1, PCP: 1, DCP: 1},
+		Decode: npu.Sizes{TP: 1, PP: 1, PCP: 1, DCP: 1}, Rank: npu.RankPos{TP: 1}}
+	for _, ext := range []Ext{{}, {BootEpoch: 1<<63 + 9}, {BootEpoch: 3, LeaseTTL: time.Second, BatchDone: true},
+		{BootEpoch: 4, BatchDone: true, Cache: fp}} {
 		md := Metadata{EngineID: "kvflow-P", TERPCPort: 15000, KVCachesBaseAddr: []uint64{0x1000_0000, 1<<64 - 2}, NumBlocks: 8, Ext: ext}
 		h := &recorder{md: md}
 		s := e.server(t, h, ServerOptions{})

@@ -14,7 +14,34 @@
 // restarted; the next job re-fetches it. A peer whose boot epoch changed is
 // also re-fetched.
 //
+// # Compatibility check
+//
+// With Stage.Compat set, every task's peer is checked, on every job (hit
+// or miss), before the read stage moves a byte: the peer's cache must be
+// the one the read of it assumes (Compat.Expect: this worker's own cache
+// fingerprint with the layers of the task's prefill PP stage and KV heads
+// and block_len divided by the task's tp_num_need_pulls, as plan.Reads
+// divides them; both instances' sizes as this worker's topology states
+// them; the rank the task dials). A peer whose metadata carries a
+// fingerprint (kvflow's extension) is compared field by field; one
+// without (seed, Mooncake) through its transfer engine's segment
+// descriptor (SegmentLister): len(kv_caches_base_addr) == layers × parts
+// and each address the start of a registered buffer of num_blocks ×
+// block_len bytes of its part. num_blocks is the peer's own (prefill and
+// decode size their caches independently); the fingerprint's must equal
+// the metadata's. A mismatch fails the job with a *MismatchError (wrapping
+// ErrIncompatible) naming the peer, each differing field and both values,
+// counted in kvflow_handshake_peer_mismatches_total{field} by the first
+// field (a bounded label set, MismatchFields); the notify stage still
+// sends the DONE. The peer's metadata is refused (Cache.Refuse): it is not
+// cached, and every later fetch that returns the same metadata fails with
+// the same reason, whoever fetches (the decode worker's admission
+// prefetch too), until the peer's metadata changes. A peer without a
+// fingerprint and an engine that cannot list segments (the cgo binding)
+// is not checked (kvflow_handshake_peers_unchecked_total).
+//
 // The package never opens a socket itself: it calls a Fetcher (the
-// side-channel client in production) and never holds a lock while it
-// waits on one.
+// side-channel client in production) and a SegmentLister (the transfer
+// engine, whose handshake the next read reuses) and never holds a lock
+// while it waits on one.
 package handshake

@@ -5,6 +5,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
+	"slices"
 	"sync"
 	"time"
 
@@ -67,6 +69,10 @@ type Cache struct {
 	lru   *list.List // of *entry, most recent first
 	idx   map[Key]*list.Element
 	fails map[Key]failure // each peer's last failed fetch (at most Size)
+	// refused holds, per peer, the metadata a compat check refused and
+	// why (at most Size): a fetch that returns the same metadata again
+	// fails with that reason instead of caching it.
+	refused map[Key]refusal
 
 	hits, misses, invalidations, errs prometheus.Counter
 	recentFail, restarts              prometheus.Counter
@@ -82,6 +88,12 @@ type failure struct {
 // already waiting when its peer's fetch failed (GetSince): the failure of
 // that fetch, not of one of its own.
 var ErrFailedWhileWaiting = errors.New("handshake: peer's fetch failed while the request waited")
+
+// refusal is metadata a compat check refused, and the check's error.
+type refusal struct {
+	meta job.Meta
+	err  error
+}
 
 type entry struct {
 	key   Key
@@ -104,7 +116,7 @@ func NewCache(f Fetcher, opts Options) (*Cache, error) {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
-	c := &Cache{f: f, opts: opts, lru: list.New(), idx: map[Key]*list.Element{}, fails: map[Key]failure{}}
+	c := &Cache{f: f, opts: opts, lru: list.New(), idx: map[Key]*list.Element{}, fails: map[Key]failure{}, refused: map[Key]refusal{}}
 	lookups := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_handshake_cache_lookups_total",
 		Help: "Metadata cache lookups by result (hit, miss, failed_while_waiting: the peer's fetch failed after the request was admitted).",
@@ -113,7 +125,7 @@ func NewCache(f Fetcher, opts Options) (*Cache, error) {
 	c.recentFail = lookups.WithLabelValues("failed_while_waiting")
 	inv := prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kvflow_handshake_cache_invalidations_total",
-		Help: "Cached metadata dropped because a read failed or the peer's boot epoch changed.",
+		Help: "Cached metadata dropped because a read failed, the peer's boot epoch changed or its cache did not match this worker's (compat check).",
 	})
 	fe := prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kvflow_handshake_fetch_errors_total",
@@ -192,6 +204,10 @@ func (c *Cache) GetSince(ctx context.Context, k Key, since time.Time) (job.Meta,
 		}
 		if err := c.check(k, m); err != nil {
 			c.errs.Inc()
+			c.fail(k, err)
+			return job.Meta{}, err
+		}
+		if err := c.refusedBefore(k, m); err != nil {
 			c.fail(k, err)
 			return job.Meta{}, err
 		}
@@ -295,6 +311,47 @@ func (c *Cache) store(k Key, m job.Meta) {
 	}
 }
 
+// Refuse drops k's cached metadata m, which a compat check refused with
+// err, and remembers it: until k's metadata changes (a restart with
+// another shape, boot epoch or addresses), fetching it again fails with
+// err (from any caller: a prefetch must not cache it either).
+func (c *Cache) Refuse(k Key, m job.Meta, err error) {
+	c.Invalidate(k)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if _, ok := c.refused[k]; !ok && len(c.refused) >= c.opts.Size {
+		for old := range c.refused { // any one: refusals are rare
+			delete(c.refused, old)
+			break
+		}
+	}
+	c.refused[k] = refusal{meta: m, err: err}
+}
+
+// refusedBefore returns the refusal of k's metadata when m is the same
+// metadata; a different m clears it.
+func (c *Cache) refusedBefore(k Key, m job.Meta) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	r, ok := c.refused[k]
+	if !ok {
+		return nil
+	}
+	if sameMeta(r.meta, m) {
+		return r.err
+	}
+	delete(c.refused, k)
+	return nil
+}
+
+func sameMeta(a, b job.Meta) bool {
+	if a.EngineID != b.EngineID || a.TERPCPort != b.TERPCPort || a.NumBlocks != b.NumBlocks ||
+		a.BootEpoch != b.BootEpoch || !slices.Equal(a.BaseAddrs, b.BaseAddrs) || (a.Cache == nil) != (b.Cache == nil) {
+		return false
+	}
+	return a.Cache == nil || reflect.DeepEqual(*a.Cache, *b.Cache)
+}
+
 // Invalidate drops k's cached metadata (a read failed; the peer may have
 // restarted). It reports whether an entry was dropped.
 func (c *Cache) Invalidate(k Key) bool {
@@ -310,8 +367,13 @@ func (c *Cache) Invalidate(k Key) bool {
 }
 
 // Stage fetches (or finds cached) metadata for every task of a job, all
-// tasks concurrently.
-type Stage struct{ Cache *Cache }
+// tasks concurrently, then, with Compat set, checks every task's peer
+// against the cache the read assumes: a peer that differs fails the job
+// (before any byte moves) and its metadata is dropped from the cache.
+type Stage struct {
+	Cache  *Cache
+	Compat *Compat // nil: no check
+}
 
 // Process fills j.Metas.
 func (s Stage) Process(ctx context.Context, j *job.Job) error {
@@ -330,11 +392,30 @@ func (s Stage) Process(ctx context.Context, j *job.Job) error {
 		})
 	}
 	if err := g.Wait(); err != nil {
+		s.Compat.observe(err) // a peer refused before
 		return err
 	}
 	for i := 1; i < len(j.Plan.Tasks); i++ {
 		if j.Metas[i].TERPCPort == 0 && j.HandshakeEndpoint(i-1) == j.HandshakeEndpoint(i) {
 			j.Metas[i] = j.Metas[i-1]
+		}
+	}
+	if s.Compat == nil {
+		return nil
+	}
+	for i := range j.Plan.Tasks {
+		if err := s.Compat.Check(ctx, j, i); err != nil {
+			err = fmt.Errorf("handshake engine %q at %s: %w", j.Plan.RemoteEngineID, j.HandshakeEndpoint(i), err)
+			if s.Compat.observe(err) {
+				// Not cached as good: fetching it again fails the same
+				// way until the peer's metadata changes.
+				s.Cache.Refuse(KeyOf(j, i), j.Metas[i], err)
+			} else {
+				// The peer's transfer engine could not be listed: its
+				// cached metadata (te_rpc_port) may be stale.
+				s.Cache.Invalidate(KeyOf(j, i))
+			}
+			return err
 		}
 	}
 	return nil

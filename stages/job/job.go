@@ -15,6 +15,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvflow/kvflow/hw/npu"
 	"github.com/kvflow/kvflow/stages/plan"
 )
 
@@ -34,6 +35,9 @@ type Meta struct {
 	// BatchDone: the peer takes kvflow's batched DONE (done_batch_msg);
 	// false: a seed or older kvflow peer, send it plain DONE_RECVINGs only.
 	BatchDone bool
+	// Cache is the peer's cache fingerprint (kvflow's metadata extension);
+	// nil: a seed or Mooncake peer, or an older kvflow one.
+	Cache *npu.Fingerprint
 }
 
 // Job is one pull request on its way through the decode pipeline.

@@ -18,12 +18,25 @@
 //
 // kvflow additions, all optional so the plain protocol still works:
 //   - metadata field "kvflow" (a map: {"boot_epoch": uint, "lease_ttl_ms":
-//     uint, "batch_done": true}, each omitted when 0/false) after the seed's
+//     uint, "batch_done": true, "cache": map}, each omitted when
+//     0/false/nil) after the seed's
 //     four, omitted when empty (then kvflow's bytes equal the seed's, as
 //     the seed's vectors check). A kvflow prefill worker always sets
 //     boot_epoch, so its metadata carries the field; msgspec ignores
 //     unknown fields, so seed peers accept it (tested with Python msgpack
 //     and the seed's decoding rules, not with msgspec itself);
+//   - "kvflow"."cache" (a map), the sender's cache fingerprint
+//     (npu.Fingerprint): "kind" (str gqa|mla|sparse), "dtype" (str bf16,
+//     fp16, fp32, int8, fp8), "block_size", then each non-zero of
+//     "kv_heads", "head_dim", "kv_lora_rank", "qk_rope_head_dim",
+//     "indexer_dim", then "layers", "block_len" (array, one uint per part:
+//     2 for gqa and mla, 3 for sparse), "num_blocks", and, when stated,
+//     "prefill" and "decode" ([tp, pp, pcp, dcp]) and "rank" ([tp, pp,
+//     pcp]). kind, dtype, block_size, layers, block_len and num_blocks are
+//     required; every integer lies in 0..MaxCacheValue (block_size,
+//     layers, num_blocks and block_len entries from 1); anything else is
+//     malformed, with the field named (kvflow.cache.block_size);
+//     unknown keys are skipped. Golden bytes: TestMetadataCacheBytes;
 //   - RENEW [bin "renew_msg", [str req_id, ...]] → raw "ACK": lease
 //     renewal, sent only to a peer whose metadata carries lease_ttl_ms (so
 //     a seed ROUTER, which would drop it, never receives it), e.g.

@@ -7,6 +7,8 @@ import (
 	"math"
 	"strconv"
 	"time"
+
+	"github.com/kvflow/kvflow/hw/npu"
 )
 
 // Message type tags, sent as msgpack bin (Python bytes) in element 0 of a
@@ -158,10 +160,17 @@ type Ext struct {
 	// DONE_RECVING). Sent as "batch_done": true; false = not sent: send the
 	// peer one done_recving_msg per request.
 	BatchDone bool
+	// Cache is the sender's cache fingerprint (sent as "cache", a map; see
+	// the package docs): a decode worker compares it with the shape it
+	// expects before reading. nil = not sent (a seed peer, or an older
+	// kvflow one).
+	Cache *npu.Fingerprint
 }
 
 // IsZero reports whether no extension field is set (then "kvflow" is omitted).
-func (e Ext) IsZero() bool { return e.BootEpoch == 0 && e.LeaseTTL <= 0 && !e.BatchDone }
+func (e Ext) IsZero() bool {
+	return e.BootEpoch == 0 && e.LeaseTTL <= 0 && !e.BatchDone && e.Cache == nil
+}
 
 // AppendGetMeta appends the GET_META request, msgpack [b"get_meta_msg", ""].
 func AppendGetMeta(dst []byte) []byte {
@@ -384,6 +393,9 @@ func appendExt(dst []byte, e Ext) []byte {
 	if e.BatchDone {
 		n++
 	}
+	if e.Cache != nil {
+		n++
+	}
 	dst = appendMapLen(dst, n)
 	if e.BootEpoch != 0 {
 		dst = appendStr(dst, keyBootEpoch)
@@ -396,6 +408,10 @@ func appendExt(dst []byte, e Ext) []byte {
 	if e.BatchDone {
 		dst = appendStr(dst, keyBatchDone)
 		dst = append(dst, 0xc3) // true
+	}
+	if e.Cache != nil {
+		dst = appendStr(dst, keyCache)
+		dst = appendCache(dst, e.Cache)
 	}
 	return dst
 }
@@ -517,7 +533,7 @@ func (r *reader) ext() (Ext, error) {
 	if err != nil {
 		return e, err
 	}
-	seenEpoch, seenLease, seenBatch := false, false, false
+	seenEpoch, seenLease, seenBatch, seenCache := false, false, false, false
 	for i := 0; i < n; i++ {
 		key, err := r.str(keyKvflow + " key")
 		if err != nil {
@@ -549,6 +565,12 @@ func (r *reader) ext() (Ext, error) {
 			}
 			seenBatch = true
 			e.BatchDone, err = r.bool(field)
+		case keyCache:
+			if seenCache {
+				return Ext{}, r.errf(field, "duplicate key")
+			}
+			seenCache = true
+			e.Cache, err = r.cache(field)
 		default:
 			err = r.skip(field, 2)
 		}

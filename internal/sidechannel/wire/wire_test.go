@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/kvflow/kvflow/hw/npu"
 )
 
 // vectorFile is the seed's captured side-channel bytes (see its description).
@@ -602,6 +604,9 @@ func seedCorpus(f *testing.F) {
 	f.Add(EncodeDoneBatch([]string{"a", "bc", "a"}))
 	f.Add(EncodeDoneBatch(nil))
 	f.Add(EncodeMetadata(Metadata{EngineID: "e", KVCachesBaseAddr: []uint64{1}, Ext: Ext{BootEpoch: 1, LeaseTTL: time.Second, BatchDone: true}}))
+	f.Add(EncodeMetadata(Metadata{EngineID: "e", KVCachesBaseAddr: []uint64{1}, Ext: Ext{BootEpoch: 1, Cache: testFingerprint()}}))
+	f.Add(EncodeMetadata(Metadata{EngineID: "e", KVCachesBaseAddr: []uint64{1}, Ext: Ext{Cache: &npu.Fingerprint{Kind: npu.Sparse, DType: npu.FP8,
+		BlockSize: 1, KVHeads: 1, KVLoraRank: 2, QKRopeHeadDim: 3, IndexerDim: 4, Layers: 5, BlockLens: []int{6, 7, 8}, NumBlocks: 9}}}))
 	f.Add([]byte("ACK"))
 	f.Add([]byte("ERR x"))
 }
