@@ -263,6 +263,16 @@ func New(o Options) (*Worker, error) {
 		return nil, err
 	}
 	w.hs = hs
+	var compat *handshake.Compat
+	if o.LocalCache != nil {
+		compat, err = handshake.NewCompat(handshake.CompatOptions{
+			Topology: o.Topology, Layout: o.Layout, Local: *o.LocalCache, Segments: o.PeerBuffers, Registerer: reg,
+		})
+		if err != nil {
+			return nil, err
+		}
+	}
+	hsCheck := handshake.Stage{Cache: hs, Compat: compat}
 	rd, err := read.New(o.Transfer, read.Options{
 		Layout: o.Layout, Local: o.Local, PerSession: o.PerSession, Timeout: o.ReadTimeout, Registerer: reg,
 		BlockSize: o.BlockSize, NoFuse: o.NoFusedStitch,
@@ -271,8 +281,21 @@ func New(o Options) (*Worker, error) {
 		// the peer's metadata (one fetch for all the reads that failed on
 		// the same metadata) and is retried once when the new process can
 		// hold the request and its deadline allows.
+		// A restarted peer's metadata is checked like any other before a
+		// byte of it is read: it may have come back with another cache.
 		Refetch: func(ctx context.Context, j *job.Job, i int, used job.Meta, failedAt time.Time) (job.Meta, error) {
-			return hs.Refetch(ctx, handshake.KeyOf(j, i), used, failedAt)
+			fresh, err := hs.Refetch(ctx, handshake.KeyOf(j, i), used, failedAt)
+			if err != nil || compat == nil {
+				return fresh, err
+			}
+			held := j.Metas[i]
+			j.Metas[i] = fresh
+			err = hsCheck.CheckTask(ctx, j, i)
+			j.Metas[i] = held
+			if err != nil {
+				return job.Meta{}, err
+			}
+			return fresh, nil
 		},
 		BeforeRetry: func(j *job.Job, i int) error {
 			if o.PeerAbortTimeout <= 0 {
@@ -298,21 +321,12 @@ func New(o Options) (*Worker, error) {
 		rdStage = staleGuard{Stage: rd, abort: o.PeerAbortTimeout, now: time.Now, refused: w.stale, renewing: o.Renewer != nil}
 	}
 	st := o.Stages
-	var compat *handshake.Compat
-	if o.LocalCache != nil {
-		compat, err = handshake.NewCompat(handshake.CompatOptions{
-			Topology: o.Topology, Layout: o.Layout, Local: *o.LocalCache, Segments: o.PeerBuffers, Registerer: reg,
-		})
-		if err != nil {
-			return nil, err
-		}
-	}
-	var hsStage pipeline.Stage[*job.Job] = handshake.Stage{Cache: hs, Compat: compat}
+	var hsStage pipeline.Stage[*job.Job] = hsCheck
 	if o.Renewer != nil {
 		if w.rn, err = newRenewer(o.Renewer, w.log, reg); err != nil {
 			return nil, fmt.Errorf("decode: register metrics: %w", err)
 		}
-		hsStage = leaseStage{Stage: handshake.Stage{Cache: hs, Compat: compat}, rn: w.rn}
+		hsStage = leaseStage{Stage: hsCheck, rn: w.rn}
 	}
 	p, err := pipeline.New(pipeline.Config[*job.Job]{
 		Stages: []pipeline.StageConfig[*job.Job]{

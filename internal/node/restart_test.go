@@ -9,6 +9,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/verify"
@@ -23,12 +24,22 @@ import (
 // port (node.te_port set, as a deployment with fixed ports has it).
 func restartPrefill(t *testing.T, c *cluster, epoch uint64, sameTEPort ...bool) *Node {
 	t.Helper()
+	same := len(sameTEPort) > 0 && sameTEPort[0]
+	return restartPrefillWith(t, c, epoch, func(cfg *config.Config) {
+		if same {
+			cfg.Node.TEPort = c.prefill[0].Engine.RPCPort()
+		}
+	})
+}
+
+// restartPrefillWith is restartPrefill with the new process's config
+// changed by mutate (same TE port when mutate sets old's).
+func restartPrefillWith(t *testing.T, c *cluster, epoch uint64, mutate func(*config.Config)) *Node {
+	t.Helper()
 	old := c.prefill[0]
 	cfg := old.Config
-	same := len(sameTEPort) > 0 && sameTEPort[0]
-	if same {
-		cfg.Node.TEPort = old.Engine.RPCPort()
-	}
+	mutate(&cfg)
+	same := cfg.Node.TEPort != 0 && cfg.Node.TEPort == old.Engine.RPCPort()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if err := old.Close(ctx); err != nil {
@@ -198,4 +209,27 @@ func TestPrefillRestartLosesHeldRequest(t *testing.T) {
 			t.Errorf("%v retries refused, want 1", n)
 		}
 	})
+}
+
+// TestPrefillRestartWithOtherCache: a prefill that comes back with another
+// cache shape is checked like any new peer before the retried read: the
+// request fails naming the field, never ends done with the old shape's
+// address arithmetic over the new cache.
+func TestPrefillRestartWithOtherCache(t *testing.T) {
+	c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2)})
+	if r := pull(t, c, c.prefill[0], "before", []int{1, 2}, []int{3, 4}, true); r.Err != nil {
+		t.Fatalf("request before the restart: %v", r.Err)
+	}
+	p2 := restartPrefillWith(t, c, 0, func(cfg *config.Config) { cfg.Model.BlockSize *= 2 })
+	r := pull(t, c, p2, "after", []int{5, 6}, []int{8, 9}, true)
+	if r.Err == nil {
+		t.Fatal("a request read from a prefill restarted with another block size ended done")
+	}
+	if !strings.Contains(r.Err.Error(), "block_size") {
+		t.Errorf("failure does not name block_size: %v", r.Err)
+	}
+	t.Logf("failed: %v", r.Err)
+	if n := counter(t, c.regs[c.decode[0]], "kvflow_handshake_peer_mismatches_total", map[string]string{"field": "block_size"}); n < 1 {
+		t.Errorf("%v block_size mismatches counted, want >= 1", n)
+	}
 }

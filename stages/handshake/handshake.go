@@ -404,21 +404,36 @@ func (s Stage) Process(ctx context.Context, j *job.Job) error {
 		return nil
 	}
 	for i := range j.Plan.Tasks {
-		if err := s.Compat.Check(ctx, j, i); err != nil {
-			err = fmt.Errorf("handshake engine %q at %s: %w", j.Plan.RemoteEngineID, j.HandshakeEndpoint(i), err)
-			if s.Compat.observe(err) {
-				// Not cached as good: fetching it again fails the same
-				// way until the peer's metadata changes.
-				s.Cache.Refuse(KeyOf(j, i), j.Metas[i], err)
-			} else {
-				// The peer's transfer engine could not be listed: its
-				// cached metadata (te_rpc_port) may be stale.
-				s.Cache.Invalidate(KeyOf(j, i))
-			}
+		if err := s.CheckTask(ctx, j, i); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// CheckTask checks task i's peer (j.Metas[i]) with Compat (nil: no check)
+// and, when it differs, drops its metadata from the cache. The read
+// stage's re-fetch after a peer restart calls it too, so metadata from a
+// restarted peer is checked before any byte of it is read.
+func (s Stage) CheckTask(ctx context.Context, j *job.Job, i int) error {
+	if s.Compat == nil {
+		return nil
+	}
+	err := s.Compat.Check(ctx, j, i)
+	if err == nil {
+		return nil
+	}
+	err = fmt.Errorf("handshake engine %q at %s: %w", j.Plan.RemoteEngineID, j.HandshakeEndpoint(i), err)
+	if s.Compat.observe(err) {
+		// Not cached as good: fetching it again fails the same
+		// way until the peer's metadata changes.
+		s.Cache.Refuse(KeyOf(j, i), j.Metas[i], err)
+	} else {
+		// The peer's transfer engine could not be listed: its
+		// cached metadata (te_rpc_port) may be stale.
+		s.Cache.Invalidate(KeyOf(j, i))
+	}
+	return err
 }
 
 // KeyOf is the cache key of task i of j.
