@@ -2,6 +2,7 @@ package tracker
 
 import (
 	"errors"
+	"fmt"
 	"reflect"
 	"slices"
 	"strings"
@@ -494,6 +495,74 @@ func TestRenew(t *testing.T) {
 		checkInvariants(t, tr)
 		if st := tr.Stats(); st.Held != 0 || st.Leased != 0 {
 			t.Fatalf("%+v", st)
+		}
+	})
+}
+
+// TestHoldEarly: with HoldEarly, DONEs for requests not held are never
+// reported by themselves; a send consumes them; they are bounded by count
+// and by age, and the drops are counted.
+func TestHoldEarly(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	t.Run("flood of unknown ids", func(t *testing.T) {
+		tr := New(Options{HoldEarly: true})
+		for i := range 8192 {
+			if res, err := tr.Done(fmt.Sprintf("unknown-%d", i), t0); err != nil || res.Status != DoneEarly || res.Reported {
+				t.Fatalf("done %d: %+v %v", i, res, err)
+			}
+		}
+		if got := tr.Finished(t0); len(got) != 0 {
+			t.Fatalf("unknown DONEs reported to the engine: %d", len(got))
+		}
+		st := tr.Stats()
+		if st.Early != DefaultMaxEarly || st.EarlyEvicted != 8192-DefaultMaxEarly {
+			t.Fatalf("early %d evicted %d, want %d and %d", st.Early, st.EarlyEvicted, DefaultMaxEarly, 8192-DefaultMaxEarly)
+		}
+		if got := tr.Finished(t0.Add(DefaultEarlyTTL + time.Second)); len(got) != 0 {
+			t.Fatalf("expired early DONEs reported: %d", len(got))
+		}
+		if st := tr.Stats(); st.Early != 0 || st.EarlyExpired != DefaultMaxEarly {
+			t.Fatalf("after the ttl: early %d expired %d", st.Early, st.EarlyExpired)
+		}
+	})
+	t.Run("send consumes early DONEs", func(t *testing.T) {
+		tr := New(Options{HoldEarly: true})
+		tr.Done("one", t0)
+		tr.Done("two", t0)
+		tr.Done("nt", t0)
+		if got := tr.Finished(t0); len(got) != 0 {
+			t.Fatalf("reported before the send: %+v", got)
+		}
+		if gen := tr.AddDelayed("one", t0, 1, []int{1}); gen != 0 {
+			t.Fatal("satisfied request held")
+		}
+		if gen := tr.AddDelayed("two", t0, 2, []int{2}); gen == 0 {
+			t.Fatal("request expecting 2 DONEs with 1 early is not held")
+		}
+		tr.AddNotTransfer("nt")
+		got := tr.Finished(t0)
+		if len(got) != 2 || got[0] != (Freed{ID: "one", Reason: ReasonDone}) || got[1] != (Freed{ID: "nt", Reason: ReasonNotTransfer}) {
+			t.Fatalf("finished %+v", got)
+		}
+		if res, _ := tr.Done("two", t0); res.Status != DoneFreed {
+			t.Fatalf("second DONE: %+v", res)
+		}
+		if got := tr.Finished(t0); len(got) != 1 || got[0].ID != "two" {
+			t.Fatalf("finished %+v", got)
+		}
+	})
+	t.Run("dropped early DONE", func(t *testing.T) {
+		tr := New(Options{HoldEarly: true, EarlyTTL: time.Second, MaxEarly: 2})
+		tr.Done("old", t0)
+		tr.Finished(t0.Add(2 * time.Second)) // aged out
+		if gen := tr.AddDelayed("old", t0.Add(2*time.Second), 1, nil); gen == 0 {
+			t.Fatal("a request whose early DONE aged out is not held (it waits for its abort timeout)")
+		}
+		for _, id := range []string{"a", "b", "c"} {
+			tr.Done(id, t0.Add(3*time.Second))
+		}
+		if st := tr.Stats(); st.Early != 2 || st.EarlyEvicted != 1 || st.EarlyExpired != 1 {
+			t.Fatalf("stats %+v", st)
 		}
 	})
 }
