@@ -94,6 +94,16 @@
 //     counts the requests freed with fewer DONEs than AddDelayed later
 //     expected.
 //
+//  5. HoldEarly (the prefill worker's setting). Early DONEs are not
+//     reported by themselves: they wait, bounded by MaxEarly (count,
+//     oldest dropped) and EarlyTTL (age), for the request's AddDelayed
+//     (freed at once when they cover its expected DONEs) or
+//     AddNotTransfer. Finished then names only requests the caller
+//     handed over; a flood of DONEs for unknown ids costs at most
+//     MaxEarly records and reaches no one. Dropped early DONEs are
+//     counted (Stats.EarlyEvicted, Stats.EarlyExpired). The seed vectors
+//     run with it off.
+//
 // Limitation: a request evicted under rule 3 is new to the tracker; an
 // operation on it after that (a DONE arriving after MaxRecords later
 // requests finished) behaves as for an unknown request (for a DONE: an
