@@ -267,11 +267,13 @@ func (g *grantTable) revoke(rs []Range) (<-chan struct{}, error) {
 	if missing > 0 {
 		err = fmt.Errorf("mooncake: revoke: %d of %d ranges were not granted", missing, len(rs))
 	}
-	// Only bytes no grant covers any more matter: a block another held
+	// Only bytes no grant names any more matter: a block another held
 	// request shares is not freed by the engine, and its readers go on.
+	// (grantAll does not count: the blocks this revoke names are freed
+	// whatever else is open, so their readers are waited for.)
 	var gone []Range
 	for _, r := range zeroed {
-		if !g.coversLocked(r.Addr, r.Length) {
+		if !g.namedLocked(r.Addr, r.Length) {
 			gone = append(gone, r)
 		}
 	}
@@ -413,9 +415,11 @@ func (g *grantTable) covers(addr, length uint64) bool {
 }
 
 func (g *grantTable) coversLocked(addr, length uint64) bool {
-	if g.open > 0 {
-		return true
-	}
+	return g.open > 0 || g.namedLocked(addr, length)
+}
+
+// namedLocked reports whether the ranges granted by name cover the range.
+func (g *grantTable) namedLocked(addr, length uint64) bool {
 	i := sort.Search(len(g.merged), func(i int) bool { return g.merged[i].Addr > addr }) - 1
 	if i < 0 {
 		return false

@@ -261,4 +261,22 @@ func TestGrantAll(t *testing.T) {
 	if err := g.revokeAll(); err == nil {
 		t.Fatal("revokeAll without grantAll: no error")
 	}
+	// A named range freed while everything is open: its reader is still
+	// waited for (the engine reuses the block whatever else is open).
+	g.grace = time.Hour
+	r := Range{Addr: 0x1000, Length: 0x100}
+	g.grant([]Range{r})
+	g.grantAll()
+	id, ok := g.hold(0x1000, 0x100, nil)
+	if !ok {
+		t.Fatal("hold refused")
+	}
+	done, _ := g.revoke([]Range{r})
+	select {
+	case <-done:
+		t.Fatal("revoke of a named range done while its reader is in flight (all open)")
+	default:
+	}
+	g.release(id)
+	<-done
 }

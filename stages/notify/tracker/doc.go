@@ -70,9 +70,11 @@
 //     record_finished_requests entry behind) and AddNotTransfer is ignored
 //     (the seed reports it again). AddDelayed still consumes an early-DONE
 //     record, as in the seed.
+//
 //  2. AddNotTransfer of a held request frees it at once (reason
 //     not_transfer) and ends its read grant; the seed reports it but keeps
 //     its delayed entry, to report it again when that expires.
+//
 //  3. Bounded (§5b.6). Early-DONE records and finished requests
 //     (tombstones) are remembered by count, not by time: at most
 //     MaxRecords of them, oldest first (early DONEs from their first Done,
@@ -83,6 +85,7 @@
 //     decode after a force-free) finds its tombstone and is a duplicate,
 //     never a second report, as long as fewer than MaxRecords requests
 //     finished after it.
+//
 //  4. Several DONEs (§5b.5). AddDelayed takes the expected DONE count; the
 //     request is freed by the last one, or at the abort timeout; the seed
 //     frees on the first. Early DONEs count toward it. Because the seed
