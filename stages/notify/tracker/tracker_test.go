@@ -3,6 +3,7 @@ package tracker
 import (
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"reflect"
 	"slices"
 	"strings"
@@ -565,4 +566,49 @@ func TestHoldEarly(t *testing.T) {
 			t.Fatalf("stats %+v", st)
 		}
 	})
+}
+
+// TestHoldEarlyInvariants drives random operations under HoldEarly and
+// checks after each step: Finished names only requests handed over
+// (AddDelayed or AddNotTransfer), each at most once; early DONEs kept stay
+// within MaxEarly.
+func TestHoldEarlyInvariants(t *testing.T) {
+	for seed := range uint64(20) {
+		rng := rand.New(rand.NewPCG(seed, 99))
+		const maxEarly = 8
+		tr := New(Options{HoldEarly: true, MaxEarly: maxEarly, EarlyTTL: 5 * time.Second, AbortTimeout: 20 * time.Second})
+		now := time.Unix(1e6, 0)
+		sent := map[string]bool{}
+		reported := map[string]bool{}
+		for step := range 400 {
+			id := fmt.Sprintf("r%d", rng.IntN(40))
+			switch op := rng.IntN(10); {
+			case op < 5:
+				tr.Done(id, now)
+			case op < 7:
+				tr.AddDelayed(id, now, 1+rng.IntN(3), []int{1})
+				sent[id] = true
+			case op < 8:
+				tr.AddNotTransfer(id)
+				sent[id] = true
+			case op < 9:
+				tr.Abort(id)
+			default:
+				now = now.Add(time.Duration(rng.IntN(3000)) * time.Millisecond)
+			}
+			for _, f := range tr.Finished(now) {
+				if !sent[f.ID] {
+					t.Fatalf("seed %d step %d: %s reported (%v) but never handed over", seed, step, f.ID, f.Reason)
+				}
+				if reported[f.ID] {
+					t.Fatalf("seed %d step %d: %s reported twice", seed, step, f.ID)
+				}
+				reported[f.ID] = true
+			}
+			st := tr.Stats()
+			if st.Early > maxEarly {
+				t.Fatalf("seed %d step %d: %d early DONEs kept, bound %d", seed, step, st.Early, maxEarly)
+			}
+		}
+	}
 }
