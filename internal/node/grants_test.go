@@ -17,7 +17,9 @@ import (
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/sidechannel"
+	"github.com/kvflow/kvflow/internal/sidechannel/wire"
 	"github.com/kvflow/kvflow/internal/verify"
+	"github.com/kvflow/kvflow/stages/notify/tracker"
 	"github.com/kvflow/kvflow/stages/plan"
 )
 
@@ -259,4 +261,54 @@ func TestStalledReaderNeverBlocksControl(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestUnknownDoneFloodOverSideChannel (real sockets, default config):
+// done_batch_msgs naming 8,192 ids the engine never sent are ACKed; none of
+// them reaches the engine as done_sending, the worker keeps at most
+// tracker.DefaultMaxEarly of them, and the rest are counted as dropped. A
+// request the engine does send afterwards still frees normally.
+func TestUnknownDoneFloodOverSideChannel(t *testing.T) {
+	c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2)})
+	p := c.prefill[0]
+	ids := make([]string, 8192)
+	for i := range ids {
+		ids[i] = fmt.Sprintf("forged-%d", i)
+	}
+	zc, err := zmq.NewContext()
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := zc.NewSocket(zmq.REQ)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { s.Close(); zc.Term() }()
+	s.SetLinger(0)
+	s.SetRcvtimeo(10 * time.Second)
+	if err := s.Connect(fmt.Sprintf("tcp://127.0.0.1:%d", p.Config.HandshakePort())); err != nil {
+		t.Fatal(err)
+	}
+	// A done_batch_msg carries at most 4096 ids (wire): two of them.
+	for i := 0; i < len(ids); i += 4096 {
+		if _, err := s.SendBytes(wire.EncodeDoneBatch(ids[i:i+4096]), 0); err != nil {
+			t.Fatal(err)
+		}
+		if rep, err := s.RecvBytes(0); err != nil || string(rep) != "ACK" {
+			t.Fatalf("reply to the batch: %q %v", rep, err)
+		}
+	}
+	if got := p.Prefill.Finished(); len(got) != 0 {
+		t.Fatalf("%d DONEs for ids never sent reached the engine as done_sending", len(got))
+	}
+	if st := p.Prefill.Status(); st["early_dones"] != tracker.DefaultMaxEarly {
+		t.Fatalf("early DONEs kept: %v, want %d", st["early_dones"], tracker.DefaultMaxEarly)
+	}
+	if n := counter(t, c.regs[p], "kvflow_prefill_early_dones_dropped_total", map[string]string{"reason": "capacity"}); n != float64(len(ids)-tracker.DefaultMaxEarly) {
+		t.Fatalf("dropped %v, want %d", n, len(ids)-tracker.DefaultMaxEarly)
+	}
+	if r := pull(t, c, p, "real", []int{5}, []int{5}, true); r.Err != nil {
+		t.Fatalf("a request sent after the flood: %v", r.Err)
+	}
+	checkBytes(t, c, "real", []int{5}, []int{5})
 }
