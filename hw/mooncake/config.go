@@ -53,6 +53,10 @@ type TCPConfig struct {
 	// Revoked); other requests are refused with the v2 reject status and
 	// counted. Off by default for Mooncake compatibility.
 	ReadGrants bool
+	// RevokeGrace is how long a revoked grant lets reads already in
+	// flight of its bytes finish (RevokeAsync's channel closes when the
+	// last ends) before their connections are cut.
+	RevokeGrace time.Duration
 	// AcceptWrites serves WRITE requests: a peer writing into this
 	// engine's registered memory. Off by default: kvflow only reads, and a
 	// target that takes writes lets any peer that reaches its data port
@@ -136,6 +140,13 @@ func DefaultTCPConfig() TCPConfig {
 		IOTimeout: 10 * time.Second,
 		// Mooncake compatibility: serve everything registered.
 		ReadGrants: false,
+		// A read still in flight when its blocks are freed belongs to a
+		// request already given up (aborted, force-freed) or to a peer
+		// that does not read what it asked for: a legitimate one has
+		// sent its DONE after its reads. A 4 MiB chunk takes ~2 ms at
+		// 2 GB/s (~40 ms at 100 MB/s), so 1 s is a stalled reader; the
+		// engine gets the blocks back at most this late.
+		RevokeGrace: time.Second,
 		// kvflow never writes into a peer: refuse what it never needs.
 		AcceptWrites: false,
 		ProtoVersion: ProtoVersion,
@@ -199,6 +210,7 @@ func (c TCPConfig) Validate() error {
 	}
 	for name, d := range map[string]time.Duration{
 		"connect timeout": c.ConnectTimeout, "handshake timeout": c.HandshakeTimeout, "io timeout": c.IOTimeout,
+		"revoke grace": c.RevokeGrace,
 	} {
 		if d <= 0 {
 			bad("%s %v must be positive", name, d)
@@ -240,6 +252,7 @@ func (c *TCPConfig) RegisterFlags(fs *flag.FlagSet, prefix string) {
 	fs.DurationVar(&c.HandshakeTimeout, prefix+"handshake-timeout", c.HandshakeTimeout, "handshake timeout")
 	fs.DurationVar(&c.IOTimeout, prefix+"io-timeout", c.IOTimeout, "no-progress timeout of a transfer")
 	fs.BoolVar(&c.ReadGrants, prefix+"read-grants", c.ReadGrants, "serve only granted ranges")
+	fs.DurationVar(&c.RevokeGrace, prefix+"revoke-grace", c.RevokeGrace, "how long reads in flight of revoked blocks may finish before their connections are cut")
 	fs.BoolVar(&c.AcceptWrites, prefix+"accept-writes", c.AcceptWrites, "serve peers' WRITE requests into registered memory")
 	fs.DurationVar(&c.FirstByteTimeout, prefix+"first-byte-timeout", c.FirstByteTimeout, "close a data connection with no request this long after accept")
 	fs.DurationVar(&c.IdleTimeout, prefix+"idle-timeout", c.IdleTimeout, "close a data connection with no request for this long")

@@ -33,6 +33,9 @@ type metrics struct {
 	// deadline before or between requests (by port and reason).
 	connRefused  *prometheus.CounterVec
 	connTimedOut *prometheus.CounterVec
+	// Data connections cut because a revoke's grace ended while they
+	// still served revoked bytes.
+	grantCuts prometheus.Counter
 
 	// The per-direction series, resolved once (the hot paths add per op).
 	readBytes, readOps             prometheus.Counter
@@ -102,8 +105,13 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "kvflow_transfer_connections_timed_out_total",
 			Help: "Connections to the transfer engine's ports closed for want of a request, by port and reason (first_byte, idle, handshake).",
 		}, []string{"port", "reason"}),
+		grantCuts: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvflow_transfer_grant_reads_cut_total",
+			Help: "Data connections cut because they still served bytes whose read grant was revoked (their blocks freed) one revoke grace earlier: a reader stalled mid-range.",
+		}),
 	}
 	m.bytes = registerCollector(reg, m.bytes)
+	m.grantCuts = registerCollector(reg, m.grantCuts)
 	m.ops = registerCollector(reg, m.ops)
 	m.batch = registerCollector(reg, m.batch)
 	m.conns = registerCollector(reg, m.conns)

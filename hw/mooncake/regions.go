@@ -1,11 +1,13 @@
 package mooncake
 
 import (
+	"errors"
 	"fmt"
 	"slices"
 	"sort"
 	"sync"
 	"sync/atomic"
+	"time"
 )
 
 // region is one registered memory range. pins counts transfers using it;
@@ -146,23 +148,59 @@ type Range struct{ Addr, Length uint64 }
 
 // grantTable holds reference-counted granted ranges. A request is covered
 // when the union of the granted ranges contains it, so a transfer may span
-// several adjacent grants (contiguous blocks grouped into one op).
+// several adjacent grants (contiguous blocks grouped into one op); while
+// open > 0 (grantAll: a held request whose blocks are not known) every
+// registered range is covered.
 //
-// A request being served holds its range (hold, until release), and
-// revoke returns only once no hold overlapping a revoked range is left:
-// the caller frees the blocks after revoke, and the owner may refill them
-// at once, so an answer still streaming from them would carry the next
-// request's bytes and be reported done.
+// A request being served holds its range (hold, until release). revoke
+// never waits: it drops the grants at once (new requests for a range no
+// longer granted are refused) and returns a channel closed once no hold
+// overlapping a range it ungranted is left, so the caller reports the
+// blocks free only then (the owner may refill them at once, and an answer
+// still streaming from them would carry the next request's bytes). A hold
+// still there grace after the revoke has its connection cut (its
+// reader stalled mid-range): the write fails, the serving goroutine
+// releases the hold, and the channel closes.
 type grantTable struct {
 	mu     sync.Mutex
 	counts map[Range]int
 	merged []Range // sorted, disjoint, non-adjacent union of counts' keys
+	open   int     // grantAll calls not yet ended by revokeAll
 
-	holds   map[uint64]Range // requests being served, by hold id
-	seq     uint64           // last hold id
-	waiting int              // revokes waiting for holds to end
-	drained sync.Cond        // signalled when a hold ends while waiting > 0
+	holds map[uint64]*grantHold // requests being served, by hold id
+	seq   uint64                // last hold id
+
+	// grace is how long a revoke lets overlapping holds finish before it
+	// cuts their connections (0: DefaultRevokeGrace).
+	grace time.Duration
+	// onCut, if set, is told how many connections a revoke's deadline cut
+	// (called without g.mu).
+	onCut func(n int)
+	// revoking counts revokes waiting for holds (for tests and metrics).
+	revoking int
 }
+
+// DefaultRevokeGrace is the grantTable's grace when none is set.
+const DefaultRevokeGrace = time.Second
+
+// grantHold is one request being served: its range, how to cut its
+// connection, and the revokes waiting for it to end.
+type grantHold struct {
+	r       Range
+	cut     func()
+	waiters []*revocation
+}
+
+// revocation is a revoke waiting for the holds that overlap what it
+// ungranted.
+type revocation struct {
+	left  int // holds still in flight
+	done  chan struct{}
+	timer *time.Timer
+}
+
+// closedChan is returned by a revoke that waits for nothing.
+var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
 func (g *grantTable) grant(rs []Range) error {
 	for _, r := range rs {
@@ -182,30 +220,118 @@ func (g *grantTable) grant(rs []Range) error {
 	return nil
 }
 
-// revoke drops one reference to each range and then waits until no
-// request being served overlaps any of them (they are refused from now
-// on); unknown ranges are reported but do not stop the others from being
-// revoked.
-func (g *grantTable) revoke(rs []Range) error {
+// grantAll covers every range until the matching revokeAll (counted).
+func (g *grantTable) grantAll() {
+	g.mu.Lock()
+	g.open++
+	g.mu.Unlock()
+}
+
+// revokeAll ends one grantAll. Like revoke it never waits; reads already
+// being served go on (nothing was promised about blocks never named).
+func (g *grantTable) revokeAll() error {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	defer g.awaitLocked(rs)
+	if g.open == 0 {
+		return errors.New("mooncake: revoke all: no grant of all ranges is open")
+	}
+	g.open--
+	return nil
+}
+
+// revoke drops one reference to each range, at once: a range no longer
+// granted is refused to every request from now on. It returns a channel
+// closed when no request being served overlaps a range this call
+// ungranted (already closed when none does), or once the connections of
+// those still in flight after the grace period were cut and their serving
+// goroutines let go. Unknown ranges are reported but do not stop the
+// others from being revoked. It never blocks on a reader.
+func (g *grantTable) revoke(rs []Range) (<-chan struct{}, error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
 	var missing int
+	var zeroed []Range
 	for _, r := range rs {
 		switch c := g.counts[r]; {
 		case c > 1:
 			g.counts[r] = c - 1
 		case c == 1:
 			delete(g.counts, r)
+			zeroed = append(zeroed, r)
 		default:
 			missing++
 		}
 	}
 	g.rebuildLocked()
+	var err error
 	if missing > 0 {
-		return fmt.Errorf("mooncake: revoke: %d of %d ranges were not granted", missing, len(rs))
+		err = fmt.Errorf("mooncake: revoke: %d of %d ranges were not granted", missing, len(rs))
 	}
-	return nil
+	// Only bytes no grant names any more matter: a block another held
+	// request shares is not freed by the engine, and its readers go on.
+	// (grantAll does not count: the blocks this revoke names are freed
+	// whatever else is open, so their readers are waited for.)
+	var gone []Range
+	for _, r := range zeroed {
+		if !g.namedLocked(r.Addr, r.Length) {
+			gone = append(gone, r)
+		}
+	}
+	if len(gone) == 0 || len(g.holds) == 0 {
+		return closedChan, err
+	}
+	rev := &revocation{done: make(chan struct{})}
+	for _, h := range g.holds {
+		if overlapsAny(h.r, gone) {
+			h.waiters = append(h.waiters, rev)
+			rev.left++
+		}
+	}
+	if rev.left == 0 {
+		return closedChan, err
+	}
+	g.revoking++
+	grace := g.grace
+	if grace <= 0 {
+		grace = DefaultRevokeGrace
+	}
+	rev.timer = time.AfterFunc(grace, func() { g.expire(rev) })
+	return rev.done, err
+}
+
+// expire cuts the connections of the holds rev still waits for.
+func (g *grantTable) expire(rev *revocation) {
+	g.mu.Lock()
+	var cuts []func()
+	for _, h := range g.holds {
+		if slices.Contains(h.waiters, rev) && h.cut != nil {
+			cuts = append(cuts, h.cut)
+		}
+	}
+	onCut := g.onCut
+	g.mu.Unlock()
+	if onCut != nil && len(cuts) > 0 {
+		onCut(len(cuts)) // before the cuts: counted by the time rev completes
+	}
+	for _, c := range cuts {
+		c()
+	}
+}
+
+// pendingRevokes is the number of revokes still waiting for holds.
+func (g *grantTable) pendingRevokes() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.revoking
+}
+
+func overlapsAny(h Range, rs []Range) bool {
+	for _, r := range rs {
+		if h.Addr < r.Addr+r.Length && r.Addr < h.Addr+h.Length {
+			return true
+		}
+	}
+	return false
 }
 
 func (g *grantTable) rebuildLocked() {
@@ -236,33 +362,11 @@ func (g *grantTable) rebuildLocked() {
 	g.merged = merged
 }
 
-// awaitLocked waits (g.mu held, released while waiting) until no hold
-// overlaps rs.
-func (g *grantTable) awaitLocked(rs []Range) {
-	if g.drained.L == nil {
-		g.drained.L = &g.mu
-	}
-	for g.overlapsHoldLocked(rs) {
-		g.waiting++
-		g.drained.Wait()
-		g.waiting--
-	}
-}
-
-func (g *grantTable) overlapsHoldLocked(rs []Range) bool {
-	for _, h := range g.holds {
-		for _, r := range rs {
-			if h.Addr < r.Addr+r.Length && r.Addr < h.Addr+h.Length {
-				return true
-			}
-		}
-	}
-	return false
-}
-
 // hold is covers, and on success records [addr, addr+length) as being
-// served until release(id) (id is never 0).
-func (g *grantTable) hold(addr, length uint64) (id uint64, ok bool) {
+// served until release(id) (id is never 0). cut, never called with g.mu held
+// (possibly more than once), closes the connection serving it (a revoke's
+// deadline); nil: it cannot be cut.
+func (g *grantTable) hold(addr, length uint64, cut func()) (id uint64, ok bool) {
 	if checkRange(addr, length) != nil {
 		return 0, false
 	}
@@ -272,24 +376,33 @@ func (g *grantTable) hold(addr, length uint64) (id uint64, ok bool) {
 		return 0, false
 	}
 	if g.holds == nil {
-		g.holds = map[uint64]Range{}
+		g.holds = map[uint64]*grantHold{}
 	}
 	g.seq++
-	g.holds[g.seq] = Range{Addr: addr, Length: length}
+	g.holds[g.seq] = &grantHold{r: Range{Addr: addr, Length: length}, cut: cut}
 	return g.seq, true
 }
 
-// release ends hold id (0: none).
+// release ends hold id (0: none), and completes the revokes for which it
+// was the last.
 func (g *grantTable) release(id uint64) {
 	if id == 0 {
 		return
 	}
 	g.mu.Lock()
+	defer g.mu.Unlock()
+	h := g.holds[id]
 	delete(g.holds, id)
-	if g.waiting > 0 {
-		g.drained.Broadcast()
+	if h == nil {
+		return
 	}
-	g.mu.Unlock()
+	for _, rev := range h.waiters {
+		if rev.left--; rev.left == 0 {
+			rev.timer.Stop()
+			close(rev.done)
+			g.revoking--
+		}
+	}
 }
 
 func (g *grantTable) covers(addr, length uint64) bool {
@@ -302,6 +415,11 @@ func (g *grantTable) covers(addr, length uint64) bool {
 }
 
 func (g *grantTable) coversLocked(addr, length uint64) bool {
+	return g.open > 0 || g.namedLocked(addr, length)
+}
+
+// namedLocked reports whether the ranges granted by name cover the range.
+func (g *grantTable) namedLocked(addr, length uint64) bool {
 	i := sort.Search(len(g.merged), func(i int) bool { return g.merged[i].Addr > addr }) - 1
 	if i < 0 {
 		return false

@@ -105,7 +105,7 @@ func TestGrantTable(t *testing.T) {
 	if err := g.grant([]Range{{0x1, 0}}); !errors.Is(err, ErrZeroLength) {
 		t.Fatalf("zero grant: %v", err)
 	}
-	if err := g.revoke([]Range{{0x1100, 0x100}, {0x9000, 1}}); err == nil {
+	if _, err := g.revoke([]Range{{0x1100, 0x100}, {0x9000, 1}}); err == nil {
 		t.Fatal("revoke of an ungranted range: no error")
 	}
 	if g.covers(0x1000, 0x200) || !g.covers(0x1000, 0x100) {
@@ -148,50 +148,135 @@ func TestMetricsShared(t *testing.T) {
 	}
 }
 
-// TestGrantRevokeWaitsForServes: revoke returns only once no request being
-// served (a hold) overlaps what it revokes, and a revoked range takes no
-// new hold; holds elsewhere do not delay it.
-func TestGrantRevokeWaitsForServes(t *testing.T) {
+// TestGrantRevokeAsync: revoke returns at once, and a revoked range takes
+// no new hold; its channel closes only once no request being served (a
+// hold) overlaps the bytes it ungranted. Holds elsewhere, and holds of
+// bytes another grant still covers (a block shared by two requests), do
+// not delay it.
+func TestGrantRevokeAsync(t *testing.T) {
 	var g grantTable
+	g.grace = time.Hour // never cut here
 	a, b := Range{Addr: 0x1000, Length: 0x1000}, Range{Addr: 0x8000, Length: 0x1000}
-	if err := g.grant([]Range{a, b}); err != nil {
+	if err := g.grant([]Range{a, b, b}); err != nil { // b shared by two requests
 		t.Fatal(err)
 	}
-	ha, ok := g.hold(0x1800, 0x100)
+	ha, ok := g.hold(0x1800, 0x100, nil)
 	if !ok {
 		t.Fatal("hold inside a grant refused")
 	}
-	hb, ok := g.hold(0x8000, 0x1000)
+	hb, ok := g.hold(0x8000, 0x1000, nil)
 	if !ok {
 		t.Fatal("hold of a whole grant refused")
 	}
-	revoked := make(chan error, 1)
-	go func() { revoked <- g.revoke([]Range{a}) }()
-	select {
-	case err := <-revoked:
-		t.Fatalf("revoke returned while a serve of its range was in progress (err %v)", err)
-	case <-time.After(50 * time.Millisecond):
+	shared, err := g.revoke([]Range{b}) // b is still granted once
+	if err != nil {
+		t.Fatal(err)
 	}
-	if _, ok := g.hold(0x1000, 0x10); ok {
+	select {
+	case <-shared:
+	default:
+		t.Fatal("revoke of a block another grant covers waits for its readers")
+	}
+	done, err := g.revoke([]Range{a})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := g.hold(0x1000, 0x10, nil); ok {
 		t.Error("a revoked range took a new hold")
 	}
-	g.release(hb) // elsewhere: revoke still waits
+	g.release(hb) // elsewhere: still waiting
 	select {
-	case <-revoked:
-		t.Fatal("revoke returned after an unrelated hold ended")
-	case <-time.After(20 * time.Millisecond):
+	case <-done:
+		t.Fatal("revoke done while a serve of its range was in progress")
+	default:
+	}
+	if n := g.pendingRevokes(); n != 1 {
+		t.Fatalf("%d revokes pending, want 1", n)
 	}
 	g.release(ha)
 	select {
-	case err := <-revoked:
-		if err != nil {
-			t.Fatal(err)
-		}
-	case <-time.After(5 * time.Second):
+	case <-done:
+	default:
 		t.Fatal("revoke still waiting after the hold ended")
 	}
 	g.release(0) // no hold: no-op
-	if len(g.holds) != 0 {
-		t.Errorf("%d holds left", len(g.holds))
+	if len(g.holds) != 0 || g.pendingRevokes() != 0 {
+		t.Errorf("%d holds, %d revokes left", len(g.holds), g.pendingRevokes())
 	}
+}
+
+// TestGrantRevokeCutsStalledHold: a hold still in flight one grace after
+// the revoke has its connection cut; the revoke completes when the cut
+// serve lets go.
+func TestGrantRevokeCutsStalledHold(t *testing.T) {
+	g := grantTable{grace: 20 * time.Millisecond}
+	cuts := make(chan int, 4)
+	g.onCut = func(n int) { cuts <- n }
+	r := Range{Addr: 0x1000, Length: 0x1000}
+	if err := g.grant([]Range{r}); err != nil {
+		t.Fatal(err)
+	}
+	var id uint64
+	cut := make(chan struct{})
+	id, ok := g.hold(0x1000, 0x1000, func() { close(cut) })
+	if !ok {
+		t.Fatal("hold refused")
+	}
+	done, _ := g.revoke([]Range{r})
+	select {
+	case <-cut: // the serving goroutine sees its write fail and releases
+		g.release(id)
+	case <-time.After(10 * time.Second):
+		t.Fatal("stalled hold never cut")
+	}
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("revoke never completed after the cut")
+	}
+	if n := <-cuts; n != 1 {
+		t.Fatalf("cut %d connections, want 1", n)
+	}
+}
+
+// TestGrantAll: grantAll covers everything until its revokeAll.
+func TestGrantAll(t *testing.T) {
+	var g grantTable
+	if g.covers(0x1000, 1) {
+		t.Fatal("covered before any grant")
+	}
+	g.grantAll()
+	g.grantAll()
+	if !g.covers(0x1000, 1) {
+		t.Fatal("grantAll does not cover")
+	}
+	for range 2 {
+		if err := g.revokeAll(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if g.covers(0x1000, 1) {
+		t.Fatal("covered after every revokeAll")
+	}
+	if err := g.revokeAll(); err == nil {
+		t.Fatal("revokeAll without grantAll: no error")
+	}
+	// A named range freed while everything is open: its reader is still
+	// waited for (the engine reuses the block whatever else is open).
+	g.grace = time.Hour
+	r := Range{Addr: 0x1000, Length: 0x100}
+	g.grant([]Range{r})
+	g.grantAll()
+	id, ok := g.hold(0x1000, 0x100, nil)
+	if !ok {
+		t.Fatal("hold refused")
+	}
+	done, _ := g.revoke([]Range{r})
+	select {
+	case <-done:
+		t.Fatal("revoke of a named range done while its reader is in flight (all open)")
+	default:
+	}
+	g.release(id)
+	<-done
 }

@@ -70,6 +70,8 @@ func NewTCPEngine(cfg TCPConfig, reg prometheus.Registerer, log *slog.Logger) (*
 		stopped:   make(chan struct{}),
 	}
 	e.ctx, e.cancel = context.WithCancel(context.Background())
+	e.grants.grace = cfg.RevokeGrace
+	e.grants.onCut = func(n int) { e.m.grantCuts.Add(float64(n)) }
 	var err error
 	if e.rpcLn, err = net.Listen("tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.RPCPort))); err != nil {
 		e.cancel()
@@ -140,8 +142,35 @@ func (e *TCPEngine) Slice(addr, length uint64) ([]byte, error) { return e.region
 // are counted: each Grant of a range needs its own Revoke.
 func (e *TCPEngine) Grant(ranges ...Range) error { return e.grants.grant(ranges) }
 
-// Revoke drops one grant of each range.
-func (e *TCPEngine) Revoke(ranges ...Range) error { return e.grants.revoke(ranges) }
+// Revoke drops one grant of each range at once and returns when no read of
+// the bytes it ungranted is in flight any more: at once when none is, at
+// most RevokeGrace later (a reader still in flight then has its
+// connection cut). Prefer RevokeAsync where a caller must not wait.
+func (e *TCPEngine) Revoke(ranges ...Range) error {
+	done, err := e.grants.revoke(ranges)
+	<-done
+	return err
+}
+
+// RevokeAsync drops one grant of each range at once — from now on a
+// request for bytes no grant covers is refused — and never waits: the
+// channel it returns is closed when no read of those bytes is in flight
+// any more (already closed when none was), so the owner may reuse them
+// then and not before. A read still in flight RevokeGrace after the
+// revoke (a reader that stalls mid-range) has its connection cut, counted
+// in kvflow_transfer_grant_reads_cut_total. Ranges shared with another
+// grant stay readable and are not waited for.
+func (e *TCPEngine) RevokeAsync(ranges ...Range) (<-chan struct{}, error) {
+	return e.grants.revoke(ranges)
+}
+
+// GrantAll makes every registered range readable (with ReadGrants on)
+// until the matching RevokeAll: for a held request whose blocks are not
+// known (an engine that sends no block ids). Counted, like Grant.
+func (e *TCPEngine) GrantAll() { e.grants.grantAll() }
+
+// RevokeAll ends one GrantAll, at once.
+func (e *TCPEngine) RevokeAll() error { return e.grants.revokeAll() }
 
 // Segment is the descriptor this engine sends in handshakes.
 func (e *TCPEngine) Segment() *SegmentDesc {

@@ -91,6 +91,15 @@ func (e *TCPEngine) serveData(c net.Conn) {
 		}
 	}()
 	var hb [HeaderSize]byte
+	// A revoke whose grace ends while this connection still serves the
+	// revoked bytes resets it: the write in progress fails at once, and
+	// the reader gets a reset rather than a clean end of stream.
+	cut := func() {
+		if tc, ok := c.(*net.TCPConn); ok {
+			tc.SetLinger(0)
+		}
+		c.Close()
+	}
 	// Waiting for the first header, then between requests: bounded by
 	// FirstByteTimeout, then IdleTimeout (a deadline moved once per wait,
 	// not per request of a pipelined burst).
@@ -148,7 +157,7 @@ func (e *TCPEngine) serveData(c net.Conn) {
 		var hold uint64 // released once the answer is written
 		if err == nil && e.cfg.ReadGrants {
 			var ok bool
-			if hold, ok = e.grants.hold(h.Addr, h.Size); !ok {
+			if hold, ok = e.grants.hold(h.Addr, h.Size, cut); !ok {
 				r.unpin()
 				err, reason = errNotGranted, reasonNotGranted
 			}

@@ -4,9 +4,13 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
 	"math/rand/v2"
+	"net"
 	"strconv"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 )
@@ -293,5 +297,70 @@ func TestLocalValidation(t *testing.T) {
 	}
 	if err := cli.BatchRead(context.Background(), session, nil); err != nil {
 		t.Fatalf("empty batch: %v", err)
+	}
+}
+
+// TestRevokeStalledReader (real sockets): a peer that asks for a granted
+// range and never reads the answer does not hold up a revoke of it. The
+// revoke returns at once and refuses new reads of the range; other
+// peers' reads go on; its channel closes only after the stalled reader's
+// connection is cut at the grace, never while the serve is in flight.
+func TestRevokeStalledReader(t *testing.T) {
+	cfg := testConfig()
+	cfg.ReadGrants = true
+	cfg.IOTimeout = time.Minute // only the revoke's grace may end the stall
+	cfg.RevokeGrace = 300 * time.Millisecond
+	srv, _ := newEngine(t, cfg)
+	cli, _ := newEngine(t, testConfig())
+	const n = 64 << 20
+	rem := register(t, srv, n, 1)
+	loc := register(t, cli, 1<<20, 2)
+	base := AddrOf(rem)
+	stalled, other := Range{base, n / 2}, Range{base + n/2, 4096}
+	if err := srv.Grant(stalled, other); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := net.Dial("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(srv.DataPort())))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	conn.(*net.TCPConn).SetReadBuffer(4096)
+	var hb [HeaderSize]byte
+	PutHeader(&hb, Header{Size: n / 2, Addr: base, Opcode: OpcodeRead, V2: true})
+	if _, err := conn.Write(hb[:]); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, func() bool { srv.grants.mu.Lock(); defer srv.grants.mu.Unlock(); return len(srv.grants.holds) == 1 })
+
+	done, err := srv.RevokeAsync(stalled)
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-done:
+		t.Fatal("revoke reported done while its range was still being served")
+	default:
+	}
+	// Another peer's read of a range still granted is served meanwhile;
+	// the revoked range is refused.
+	if err := cli.BatchRead(context.Background(), srv.SessionID(), []Op{{AddrOf(loc), other.Addr, 4096}}); err != nil {
+		t.Fatalf("read of another grant during the stall: %v", err)
+	}
+	if err := cli.BatchRead(context.Background(), srv.SessionID(), []Op{{AddrOf(loc), base, 4096}}); !errors.Is(err, ErrRejected) {
+		t.Fatalf("read of the revoked range: %v", err)
+	}
+	select {
+	case <-done:
+	case <-time.After(20 * time.Second):
+		t.Fatal("revoke never completed: the stalled reader was not cut")
+	}
+	if got := testutil.ToFloat64(srv.m.grantCuts); got != 1 {
+		t.Fatalf("connections cut = %v, want 1", got)
+	}
+	// The stalled reader's connection is closed: draining it ends.
+	conn.SetReadDeadline(time.Now().Add(20 * time.Second))
+	if got, err := io.Copy(io.Discard, conn); err != nil && !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatalf("stalled reader's connection after %d bytes: %v", got, err)
 	}
 }

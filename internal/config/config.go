@@ -259,14 +259,20 @@ type Read struct {
 	Timeout Duration `json:"timeout"` // one task's batch, end to end
 	// PerPeerConcurrency bounds the batches in flight to one remote rank.
 	PerPeerConcurrency int `json:"per_peer_concurrency"`
-	// Grants (prefill) makes the transfer engine serve only the blocks of
-	// requests this worker holds for decode, so a read after a force-free
-	// or an abort is refused rather than served from reused memory. Off by
-	// default: Mooncake peers and seed schedulers (whose send carries no
-	// block ids) expect every registered byte to be readable. A decode
-	// worker serves no read whatever this says (nothing pulls from it),
-	// and no engine takes peers' writes.
-	Grants bool `json:"grants"`
+	// Grants (prefill) says which blocks the transfer engine serves:
+	// auto (the default) serves a held request's blocks when its send
+	// names them (kvflow's connector always does), and every block while
+	// a request whose send named none is held (an engine that cannot
+	// give them; warned at the first such send); on serves only named
+	// blocks of held requests; off serves every registered byte at any
+	// time, as Mooncake does. With grants, a read after a force-free, an
+	// abort or a forged DONE is refused rather than served from reused
+	// memory. A Mooncake or seed decode reads exactly the blocks of the
+	// send (trimmed for prefix hits, whole prefill blocks for every head
+	// slice), so it reads as before. A decode worker serves no read
+	// whatever this says (nothing pulls from it), and no engine takes
+	// peers' writes. true and false read as on and off.
+	Grants GrantsMode `json:"grants"`
 	// FusedStitch (decode) reads each prefill rank's slice of a block
 	// straight into its place in the stitched block, row by row, when one
 	// decode rank pulls from several prefill ranks and the transfer
@@ -458,6 +464,11 @@ func Default() Config {
 			// only queue behind them.
 			PerPeerConcurrency: 4,
 			FusedStitch:        true,
+			// On wherever the engine names the blocks (kvflow's connector
+			// always does), open only while a request it could not name
+			// is held: a forged or early DONE cannot make a decode read
+			// reused blocks, and Mooncake and seed peers read as before.
+			Grants: GrantsAuto,
 		},
 		Notify: Notify{
 			// The seed's DONE_RECVING uses the same 1 s timeout and 3 tries

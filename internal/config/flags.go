@@ -101,7 +101,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.Var(&c.Read.Timeout, "read-timeout", "one task's transfer batch (read.timeout)")
 	fs.IntVar(&c.Read.PerPeerConcurrency, "read-per-peer", c.Read.PerPeerConcurrency, "batches in flight per remote rank (read.per_peer_concurrency)")
 	fs.BoolVar(&c.Read.FusedStitch, "fused-stitch", c.Read.FusedStitch, "decode: land pulled slices straight in their stitched place when the engine can (read.fused_stitch)")
-	fs.BoolVar(&c.Read.Grants, "read-grants", c.Read.Grants, "prefill: serve only the blocks of held requests (read.grants)")
+	fs.Var(&c.Read.Grants, "read-grants", "prefill: which blocks peers may read: auto (held requests' blocks; all while one without block ids is held), on (held requests' named blocks only), off (everything) (read.grants)")
 	fs.Var(&c.Notify.Timeout, "notify-timeout", "wait for one DONE_RECVING or RENEW ACK (notify.timeout)")
 	fs.IntVar(&c.Notify.Attempts, "notify-attempts", c.Notify.Attempts, "DONE_RECVING and RENEW tries (notify.attempts)")
 	fs.Var(&c.Notify.RetryBackoff, "notify-retry-backoff", "pause before a DONE_RECVING or RENEW retry (notify.retry_backoff)")

@@ -209,3 +209,74 @@ func describe(raw []byte) string {
 	}
 	return excerpt("number")
 }
+
+// GrantsMode is read.grants: which reads a prefill worker's transfer
+// engine serves. JSON: "auto", "on" or "off" (true and false read as "on"
+// and "off", the setting's earlier boolean form).
+type GrantsMode string
+
+const (
+	// GrantsAuto, the default: a held request whose send carries block
+	// ids (kvflow's connector always sends them) has exactly those blocks
+	// readable while it is held; one whose send carries none (an engine
+	// that cannot name them) opens every block while it is held, with a
+	// warning the first time. With no request held nothing is readable.
+	GrantsAuto GrantsMode = "auto"
+	// GrantsOn: only blocks named by a held request's send are readable;
+	// a send without block ids makes nothing readable (its decode's reads
+	// are refused).
+	GrantsOn GrantsMode = "on"
+	// GrantsOff: every registered byte is readable by any peer that
+	// reaches the data port, at any time (Mooncake's behaviour).
+	GrantsOff GrantsMode = "off"
+)
+
+// UnmarshalJSON implements json.Unmarshaler.
+func (g *GrantsMode) UnmarshalJSON(b []byte) error {
+	switch s := string(bytes.TrimSpace(b)); s {
+	case "null":
+		return nil
+	case "true":
+		*g = GrantsOn
+		return nil
+	case "false":
+		*g = GrantsOff
+		return nil
+	}
+	var s string
+	if err := json.Unmarshal(b, &s); err != nil {
+		return fmt.Errorf(`want "auto", "on" or "off", got %s`, describe(b))
+	}
+	return g.Set(s)
+}
+
+// String implements flag.Value.
+func (g *GrantsMode) String() string {
+	if g == nil || *g == "" {
+		return string(GrantsAuto)
+	}
+	return string(*g)
+}
+
+// Set implements flag.Value (auto, on, off; true and false as on and off).
+func (g *GrantsMode) Set(s string) error {
+	switch v := strings.ToLower(strings.TrimSpace(s)); v {
+	case "auto", "on", "off":
+		*g = GrantsMode(v)
+	case "true", "1":
+		*g = GrantsOn
+	case "false", "0":
+		*g = GrantsOff
+	default:
+		return fmt.Errorf(`want auto, on or off, got %q`, s)
+	}
+	return nil
+}
+
+// IsBoolFlag lets --read-grants alone mean on.
+func (g *GrantsMode) IsBoolFlag() bool { return true }
+
+// Valid reports whether g is one of the modes ("" reads as auto).
+func (g GrantsMode) Valid() bool {
+	return g == "" || g == GrantsAuto || g == GrantsOn || g == GrantsOff
+}

@@ -269,6 +269,9 @@ func (c Config) validateSettings(v *validator) {
 	v.atLeast("handshake.cache_size", h.CacheSize, 1)
 	v.positive("read.timeout", c.Read.Timeout)
 	v.atLeast("read.per_peer_concurrency", c.Read.PerPeerConcurrency, 1)
+	if !c.Read.Grants.Valid() {
+		v.add("read.grants", "want auto, on or off, got %q", string(c.Read.Grants))
+	}
 	no := c.Notify
 	v.positive("notify.timeout", no.Timeout)
 	v.atLeast("notify.attempts", no.Attempts, 1)

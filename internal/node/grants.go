@@ -26,5 +26,12 @@ func (g engineGrants) ranges(blocks []int) []mooncake.Range {
 	return out
 }
 
-func (g engineGrants) Grant(blocks []int) error  { return g.e.Grant(g.ranges(blocks)...) }
-func (g engineGrants) Revoke(blocks []int) error { return g.e.Revoke(g.ranges(blocks)...) }
+func (g engineGrants) Grant(blocks []int) error { return g.e.Grant(g.ranges(blocks)...) }
+
+// Revoke never waits for readers (prefill.Grants).
+func (g engineGrants) Revoke(blocks []int) (<-chan struct{}, error) {
+	return g.e.RevokeAsync(g.ranges(blocks)...)
+}
+
+func (g engineGrants) GrantAll() error  { g.e.GrantAll(); return nil }
+func (g engineGrants) RevokeAll() error { return g.e.RevokeAll() }

@@ -123,7 +123,7 @@ func Start(cfg config.Config, deps Deps) (_ *Node, err error) {
 	// A decode worker's cache is read by no one (kvflow and the seed only
 	// pull from prefill): it serves no read at all (grants on, none ever
 	// given), so a peer that reaches its data port cannot read it.
-	tc.ReadGrants = (cfg.Read.Grants && cfg.Role() == config.Prefill) || cfg.Role() == config.Decode
+	tc.ReadGrants = (cfg.Read.Grants != config.GrantsOff && cfg.Role() == config.Prefill) || cfg.Role() == config.Decode
 	n.Engine, err = mooncake.NewTCPEngine(tc, deps.Registerer, log)
 	if err != nil {
 		return nil, fmt.Errorf("node: transfer engine: %w", err)
@@ -233,7 +233,16 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 	}
 	fp := Fingerprint(cfg, n.Device.Layout())
 	var grants prefill.Grants
-	if cfg.Read.Grants {
+	mode := prefill.GrantsAuto
+	switch cfg.Read.Grants {
+	case config.GrantsOff:
+		log.Warn("read.grants=off: any peer that reaches the transfer engine's data port can read every registered block at any time, " +
+			"and a decode reading after a forged or early DONE freed its request may get reused blocks and report them done; " +
+			"set read.grants=auto (the default) unless a peer must read blocks no send names")
+	case config.GrantsOn:
+		mode = prefill.GrantsStrict
+		fallthrough
+	default:
 		grants = engineGrants{e: n.Engine, d: n.Device}
 	}
 	w, err := prefill.New(prefill.Options{
@@ -243,6 +252,7 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 		LeaseTTL:     cfg.Tracker.LeaseTTL.D(),
 		NoBatchDone:  !cfg.Tracker.BatchDone,
 		Grants:       grants,
+		GrantMode:    mode,
 		Registerer:   n.deps.Registerer,
 		Logger:       log,
 		Metadata: sidechannel.Metadata{

@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/decode"
+	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/sidechannel"
 	"github.com/kvflow/kvflow/internal/sidechannel/wire"
 )
@@ -182,6 +183,10 @@ func TestRetriesFollowConfig(t *testing.T) {
 				}
 			} else {
 				id := fmt.Sprint("req", i)
+				// Held for decode, so read grants serve its block.
+				if err := p.Prefill.Send([]prefill.SendRequest{{RequestID: id, BlockIDs: []int{1}}})[0]; err != nil {
+					t.Fatal(err)
+				}
 				if err := load(t, d, id, []int{1}, []int{1}, r.port, "P"); err != nil {
 					t.Fatal(err)
 				}

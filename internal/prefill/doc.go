@@ -5,10 +5,25 @@
 // when no decode rank reads from this worker, on abort, or when the abort
 // timeout force-frees it.
 //
-// With read grants on, the transfer engine serves only the blocks of
-// requests this worker holds; a block is revoked as its request is freed,
-// so a read that arrives after a force-free is refused rather than served
-// from memory the engine may have reused.
+// With read grants (Options.Grants), the transfer engine serves only the
+// blocks of requests this worker holds: a send's block ids are granted
+// with its hold; a send without block ids opens every block while its
+// request is held (GrantsAuto, warned once) or nothing (GrantsStrict). A
+// grant is revoked as its request is freed, so a read that arrives after
+// a force-free, an abort or a forged DONE is refused rather than served
+// from memory the engine may have reused. Revoking never waits: Finished
+// reports a freed request only once no read of its blocks is in flight
+// (the transfer engine cuts a reader stalled past its revoke grace), and
+// a later Finished reports the ones held back; nothing is lost, nothing
+// blocks the caller.
+//
+// Early DONEs (for a request not sent yet) are kept, not reported, until
+// the send finds them and frees the request at once (tracker.HoldEarly):
+// the engine is told only of requests it sent, whatever DONEs name. The
+// seed reports an early DONE at once; its send follows within an engine
+// step, so the engine sees the same request freed one poll later. They
+// are bounded by MaxEarly and EarlyTTL and the drops counted
+// (kvflow_prefill_early_dones_dropped_total).
 //
 // Leases (Options.LeaseTTL > 0, kvflow ↔ kvflow): GET_META advertises the
 // TTL in the metadata extension (lease_ttl_ms), the worker takes RENEW, and

@@ -20,8 +20,38 @@ import (
 // Grants opens and closes the transfer engine's read grants for a held
 // request's blocks.
 type Grants interface {
+	// Grant makes blocks readable (counted: each Grant needs its Revoke).
 	Grant(blocks []int) error
-	Revoke(blocks []int) error
+	// Revoke ends one Grant of blocks at once — no new read of them is
+	// served — and never waits: the channel is closed when no read of
+	// them is in flight any more (a stalled reader is cut at the
+	// engine's deadline). The blocks are reported free only then.
+	Revoke(blocks []int) (<-chan struct{}, error)
+	// GrantAll makes every block readable until the matching RevokeAll:
+	// for a held request whose send named no blocks (GrantsAuto).
+	GrantAll() error
+	// RevokeAll ends one GrantAll, at once.
+	RevokeAll() error
+}
+
+// GrantMode says what a send without block ids gets when Grants is set.
+type GrantMode uint8
+
+const (
+	// GrantsAuto (read.grants: auto): a send with block ids grants exactly
+	// those blocks; one without (an engine that cannot name them) opens
+	// every block for as long as its request is held (GrantAll), with a
+	// warning the first time.
+	GrantsAuto GrantMode = iota
+	// GrantsStrict (read.grants: on): a send without block ids grants
+	// nothing, so its decode's reads are refused (warned the first time).
+	GrantsStrict
+)
+
+// grantRec is what a held request's send granted.
+type grantRec struct {
+	blocks []int
+	all    bool // GrantAll
 }
 
 // Options configures the worker.
@@ -48,9 +78,16 @@ type Options struct {
 	// many DONEs.
 	NoBatchDone bool
 	Grants      Grants
-	Now         func() time.Time
-	Registerer  prometheus.Registerer
-	Logger      *slog.Logger
+	// GrantMode applies with Grants set.
+	GrantMode GrantMode
+	// MaxEarly and EarlyTTL bound the early DONEs (DONEs for ids not
+	// sent yet) kept waiting for their send; 0 selects the tracker's
+	// defaults (tracker.DefaultMaxEarly, tracker.DefaultEarlyTTL).
+	MaxEarly   int
+	EarlyTTL   time.Duration
+	Now        func() time.Time
+	Registerer prometheus.Registerer
+	Logger     *slog.Logger
 }
 
 // MaxClockSkew is how far in the future a send's delay_start_time may lie:
@@ -75,8 +112,16 @@ type Worker struct {
 	sendMu   sync.Mutex
 	draining atomic.Bool
 
-	mu     sync.Mutex
-	blocks map[string][]int // granted blocks by request
+	// mu orders a send's grant and hold against Finished's revoke, and
+	// guards the grant bookkeeping.
+	mu      sync.Mutex
+	granted map[string]grantRec // what each held request's send granted
+	// revoking: revokes whose reads may still be in flight, by request;
+	// deferred: requests the tracker freed whose revokes have not
+	// completed, reported by a later Finished once they have (in order).
+	revoking  map[string][]<-chan struct{}
+	deferred  []tracker.Freed
+	warnNoIDs sync.Once
 
 	sends     *prometheus.CounterVec
 	dones     *prometheus.CounterVec
@@ -84,6 +129,9 @@ type Worker struct {
 	freed     *prometheus.CounterVec
 	leaseEnds prometheus.Counter
 	heldGage  prometheus.GaugeFunc
+	noIDs     prometheus.Counter
+	deferGage prometheus.GaugeFunc
+	early     []prometheus.Collector
 }
 
 // New makes the worker.
@@ -108,9 +156,17 @@ func New(o Options) (*Worker, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	w := &Worker{opts: o, log: log.With("component", "prefill"), now: o.Now, blocks: map[string][]int{},
+	if o.MaxEarly < 0 || o.EarlyTTL < 0 {
+		return nil, fmt.Errorf("prefill: early DONE bounds: max %d, ttl %v: negative", o.MaxEarly, o.EarlyTTL)
+	}
+	// HoldEarly: the engine is told only of requests it sent. An early
+	// DONE (before the send) waits for the send, which then finds it and
+	// frees the request at once, reported by the next Finished; a DONE
+	// for an id never sent is never reported (see doc.go).
+	w := &Worker{opts: o, log: log.With("component", "prefill"), now: o.Now, granted: map[string]grantRec{},
+		revoking: map[string][]<-chan struct{}{},
 		tr: tracker.New(tracker.Options{AbortTimeout: o.AbortTimeout, LeaseTTL: o.LeaseTTL, MaxRecords: o.MaxRecords,
-			EarlyQuorum: earlyQuorum(o.Topology, o.Self)})}
+			EarlyQuorum: earlyQuorum(o.Topology, o.Self), HoldEarly: true, MaxEarly: o.MaxEarly, EarlyTTL: o.EarlyTTL})}
 	w.sends = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_prefill_requests_total",
 		Help: "Requests handed over for sending, by decision (delayed: waits for DONE; immediate: no decode rank reads this worker).",
@@ -135,8 +191,30 @@ func New(o Options) (*Worker, error) {
 		Name: "kvflow_prefill_delayed_requests",
 		Help: "Requests whose blocks are held waiting for DONE.",
 	}, func() float64 { return float64(w.tr.Len()) })
+	w.noIDs = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvflow_prefill_sends_without_block_ids_total",
+		Help: "Held requests whose send named no block ids, with read grants on: read.grants auto opened every block while each was held, on granted nothing.",
+	})
+	w.deferGage = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kvflow_prefill_revokes_pending_requests",
+		Help: "Requests freed but not yet reported to the engine because a read of their blocks is still in flight (reported when it ends or is cut).",
+	}, func() float64 { w.mu.Lock(); defer w.mu.Unlock(); return float64(len(w.deferred)) })
+	for _, r := range []struct {
+		reason string
+		get    func(tracker.Stats) uint64
+	}{{"capacity", func(s tracker.Stats) uint64 { return s.EarlyEvicted }}, {"age", func(s tracker.Stats) uint64 { return s.EarlyExpired }}} {
+		w.early = append(w.early, prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name:        "kvflow_prefill_early_dones_dropped_total",
+			Help:        "DONEs for requests not sent (yet) dropped unreported, by reason (capacity: beyond the bound on kept early DONEs, oldest first; age: their send never came within the early DONE ttl).",
+			ConstLabels: prometheus.Labels{"reason": r.reason},
+		}, func() float64 { return float64(r.get(w.tr.Stats())) }))
+	}
+	w.early = append(w.early, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kvflow_prefill_early_dones",
+		Help: "DONEs for requests not sent yet, kept until their send (bounded by count and age).",
+	}, func() float64 { return float64(w.tr.Stats().Early) }))
 	if o.Registerer != nil {
-		for _, c := range []prometheus.Collector{w.sends, w.dones, w.renews, w.freed, w.leaseEnds, w.heldGage} {
+		for _, c := range append([]prometheus.Collector{w.sends, w.dones, w.renews, w.freed, w.leaseEnds, w.heldGage, w.noIDs, w.deferGage}, w.early...) {
 			if err := o.Registerer.Register(c); err != nil {
 				return nil, fmt.Errorf("prefill: register metrics: %w", err)
 			}
@@ -216,27 +294,26 @@ func (w *Worker) send(r SendRequest) error {
 		w.sends.WithLabelValues("immediate").Inc()
 		return nil
 	}
-	if w.opts.Grants != nil && len(r.BlockIDs) > 0 {
-		w.mu.Lock()
-		_, dup := w.blocks[r.RequestID]
+	// The grant and the hold are one step against Finished (w.mu): a
+	// DONE that frees the request as soon as it is held finds its grant
+	// recorded, and Finished revokes it before reporting it.
+	w.mu.Lock()
+	rec, err := w.grant(r)
+	if err != nil {
 		w.mu.Unlock()
-		if !dup {
-			if err := w.opts.Grants.Grant(r.BlockIDs); err != nil {
-				w.sends.WithLabelValues("rejected").Inc()
-				return fmt.Errorf("send %q: grant blocks: %w", r.RequestID, err)
-			}
-			w.mu.Lock()
-			w.blocks[r.RequestID] = r.BlockIDs
-			w.mu.Unlock()
-		}
+		w.sends.WithLabelValues("rejected").Inc()
+		return fmt.Errorf("send %q: grant blocks: %w", r.RequestID, err)
 	}
 	if w.tr.AddDelayed(r.RequestID, start, expected, r.BlockIDs) == 0 {
-		// Not held: its DONEs came first, or it already finished (a
-		// repeated send). Nothing will read these blocks for it, and a
-		// report may already have been made, so no later Finished would
-		// end the grant: end it now.
-		w.revoke(r.RequestID)
+		// Not held: its early DONEs already satisfied it (the tracker
+		// reports it by the next Finished, once this revoke is done), or
+		// it already finished (a repeated send). Nothing will read these
+		// blocks for it: end the grant now.
+		w.endGrantLocked(r.RequestID, rec)
+	} else if w.opts.Grants != nil {
+		w.granted[r.RequestID] = rec
 	}
+	w.mu.Unlock()
 	w.sends.WithLabelValues("delayed").Inc()
 	w.log.Debug("request held for decode", "request_id", r.RequestID, "expected_dones", expected, "blocks", len(r.BlockIDs))
 	return nil
@@ -292,8 +369,35 @@ func (w *Worker) Abort(ids []string) int {
 
 // Finished returns, and forgets, the requests whose blocks may be freed:
 // DONE'd, not transferred, force-freed at the abort timeout, aborted.
+//
+// A request whose blocks a read may still be serving (its grant was just
+// revoked) is held back and returned by a later call, once that read has
+// ended or been cut off (the transfer engine's revoke grace): the engine
+// never gets blocks back while a peer still reads them. It never waits.
 func (w *Worker) Finished() []string {
-	freed := w.tr.Finished(w.now())
+	w.mu.Lock()
+	for _, f := range w.tr.Finished(w.now()) {
+		if rec, ok := w.granted[f.ID]; ok {
+			delete(w.granted, f.ID)
+			w.endGrantLocked(f.ID, rec)
+		}
+		w.deferred = append(w.deferred, f)
+	}
+	var freed []tracker.Freed
+	keep := w.deferred[:0]
+	for _, f := range w.deferred {
+		if w.revokedLocked(f.ID) {
+			freed = append(freed, f)
+		} else {
+			keep = append(keep, f)
+		}
+	}
+	clear(w.deferred[len(keep):])
+	w.deferred = keep
+	for id := range w.revoking { // revokes no report waits for (a repeated send)
+		w.revokedLocked(id)
+	}
+	w.mu.Unlock()
 	ids := make([]string, 0, len(freed))
 	for _, f := range freed {
 		ids = append(ids, f.ID)
@@ -305,7 +409,6 @@ func (w *Worker) Finished() []string {
 		case f.Reason == tracker.ReasonExpired:
 			w.log.Warn("request force-freed at the abort timeout", "request_id", f.ID, "timeout", w.opts.AbortTimeout, "lease_ttl", w.opts.LeaseTTL)
 		}
-		w.revoke(f.ID)
 	}
 	return ids
 }
@@ -335,6 +438,7 @@ func (w *Worker) Drain(ctx context.Context, collect time.Duration) error {
 	var emptySince time.Time
 	for {
 		st := w.tr.Stats()
+		st.Pending = w.uncollected(st)
 		if st.Held == 0 {
 			if st.Pending == 0 {
 				return nil
@@ -360,19 +464,77 @@ func (w *Worker) Drain(ctx context.Context, collect time.Duration) error {
 // Draining reports whether Drain has begun.
 func (w *Worker) Draining() bool { return w.draining.Load() }
 
-func (w *Worker) revoke(id string) {
-	if w.opts.Grants == nil {
-		return
+// grant opens what r's send makes readable (w.mu held): its blocks, or
+// with none named every block (GrantsAuto) or nothing (GrantsStrict).
+func (w *Worker) grant(r SendRequest) (grantRec, error) {
+	g := w.opts.Grants
+	if g == nil {
+		return grantRec{}, nil
 	}
-	w.mu.Lock()
-	b, ok := w.blocks[id]
-	delete(w.blocks, id)
-	w.mu.Unlock()
-	if ok {
-		if err := w.opts.Grants.Revoke(b); err != nil {
+	if len(r.BlockIDs) > 0 {
+		return grantRec{blocks: r.BlockIDs}, g.Grant(r.BlockIDs)
+	}
+	w.noIDs.Inc()
+	if w.opts.GrantMode == GrantsStrict {
+		w.warnNoIDs.Do(func() {
+			w.log.Warn("send without block_ids under read.grants=on: nothing is granted for such a request, so its decode's reads are refused and it fails; send block_ids, or set read.grants=auto",
+				"request_id", r.RequestID)
+		})
+		return grantRec{}, nil
+	}
+	w.warnNoIDs.Do(func() {
+		w.log.Warn("send without block_ids: read grants cannot name this request's blocks, so every registered block is readable while such a request is held: "+
+			"any peer that reaches the data port can read any block then, and a decode reading after a forged or early DONE freed its request may get reused blocks and report them done; "+
+			"an engine that sends block_ids gets grants on exactly those blocks", "request_id", r.RequestID)
+	})
+	return grantRec{all: true}, g.GrantAll()
+}
+
+// endGrantLocked revokes what rec granted for id, without waiting; the
+// revoke's completion is tracked in w.revoking (w.mu held).
+func (w *Worker) endGrantLocked(id string, rec grantRec) {
+	g := w.opts.Grants
+	switch {
+	case g == nil:
+	case rec.all:
+		if err := g.RevokeAll(); err != nil {
 			w.log.Error("revoke read grants", "request_id", id, "err", err)
 		}
+	case len(rec.blocks) > 0:
+		done, err := g.Revoke(rec.blocks)
+		if err != nil {
+			w.log.Error("revoke read grants", "request_id", id, "err", err)
+		}
+		if done != nil {
+			w.revoking[id] = append(w.revoking[id], done)
+		}
 	}
+}
+
+// revokedLocked reports whether every revoke of id's blocks has completed
+// (no read of them in flight), forgetting those that have (w.mu held).
+func (w *Worker) revokedLocked(id string) bool {
+	chans := w.revoking[id]
+	for len(chans) > 0 {
+		select {
+		case <-chans[0]:
+			chans = chans[1:]
+			continue
+		default:
+		}
+		w.revoking[id] = chans
+		return false
+	}
+	delete(w.revoking, id)
+	return true
+}
+
+// uncollected is the number of freed requests the engine has not
+// collected yet (the tracker's, and those waiting for their revokes).
+func (w *Worker) uncollected(st tracker.Stats) int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return st.Pending + len(w.deferred)
 }
 
 // Status is a snapshot for the control socket: held requests (leased: those
@@ -380,7 +542,7 @@ func (w *Worker) revoke(id string) {
 // (uncollected), and whether the worker is draining.
 func (w *Worker) Status() map[string]any {
 	st := w.tr.Stats()
-	return map[string]any{"held": st.Held, "leased": st.Leased, "uncollected": st.Pending, "draining": w.draining.Load(),
+	return map[string]any{"held": st.Held, "leased": st.Leased, "uncollected": w.uncollected(st), "early_dones": st.Early, "draining": w.draining.Load(),
 		"engine_id": w.opts.Metadata.EngineID, "num_blocks": w.opts.Metadata.NumBlocks, "te_rpc_port": w.opts.Metadata.TERPCPort}
 }
 

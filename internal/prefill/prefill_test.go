@@ -1,6 +1,7 @@
 package prefill
 
 import (
+	"fmt"
 	"maps"
 	"reflect"
 	"sync"
@@ -9,13 +10,18 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvflow/kvflow/internal/sidechannel"
+	"github.com/kvflow/kvflow/stages/notify/tracker"
 	"github.com/kvflow/kvflow/stages/plan"
 )
 
 // grants counts the open grants of every block (Grant +1, Revoke -1).
+// With reading set, a revoke's completion waits until reading is closed
+// (a read of the blocks still in flight).
 type grants struct {
-	mu   sync.Mutex
-	open map[int]int
+	mu      sync.Mutex
+	open    map[int]int
+	all     int
+	reading chan struct{}
 }
 
 func (g *grants) Grant(blocks []int) error {
@@ -27,7 +33,7 @@ func (g *grants) Grant(blocks []int) error {
 	return nil
 }
 
-func (g *grants) Revoke(blocks []int) error {
+func (g *grants) Revoke(blocks []int) (<-chan struct{}, error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	for _, b := range blocks {
@@ -35,6 +41,25 @@ func (g *grants) Revoke(blocks []int) error {
 			delete(g.open, b)
 		}
 	}
+	if g.reading != nil {
+		return g.reading, nil
+	}
+	done := make(chan struct{})
+	close(done)
+	return done, nil
+}
+
+func (g *grants) GrantAll() error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.all++
+	return nil
+}
+
+func (g *grants) RevokeAll() error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.all--
 	return nil
 }
 
@@ -78,12 +103,13 @@ func TestEarlyDonesAndGrants(t *testing.T) {
 		name  string
 		steps []step
 	}{
-		{"two early DONEs: reported after the second, the late send holds nothing", []step{
+		{"two early DONEs: reported once the send finds them, holding nothing", []step{
 			{op: "done", id: "r"},
-			{op: "fin", want: []string{}}, // one of two: not freed
+			{op: "fin", want: []string{}}, // not sent: never reported by itself
 			{op: "done", id: "r"},
-			{op: "fin", want: []string{"r"}},
+			{op: "fin", want: []string{}},
 			{op: "send", id: "r", blks: big}, // grant opened and closed at once
+			{op: "fin", want: []string{"r"}},
 			{op: "fin", want: []string{}},
 		}},
 		{"one early DONE, then the send: freed by the send", []step{
@@ -151,4 +177,117 @@ func TestEarlyQuorumFollowsTopology(t *testing.T) {
 			}
 		})
 	}
+}
+
+var tp1 = plan.Topology{Prefill: plan.Parallel{TP: 1, PP: 1, DP: 1}, Decode: plan.Parallel{TP: 1, PP: 1, DP: 1},
+	Model: plan.Model{NumLayers: 4, NumKVHeads: 8}}
+
+// TestFreedAfterReadsEnd: a request freed while a read of its blocks is
+// still in flight is reported to the engine only once that read has ended
+// (the revoke completed); Finished never waits for it, and the request is
+// reported exactly once.
+func TestFreedAfterReadsEnd(t *testing.T) {
+	g := &grants{open: map[int]int{}, reading: make(chan struct{})}
+	w, err := New(Options{Topology: tp1, Metadata: sidechannel.Metadata{NumBlocks: 64}, Grants: g})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if errs := w.Send([]SendRequest{{RequestID: "r", BlockIDs: []int{1, 2}}}); errs[0] != nil {
+		t.Fatal(errs[0])
+	}
+	if err := w.Done("r"); err != nil {
+		t.Fatal(err)
+	}
+	if got := w.Finished(); len(got) != 0 {
+		t.Fatalf("reported while a read is in flight: %v", got)
+	}
+	if len(g.openBlocks()) != 0 {
+		t.Fatal("grant not revoked at once")
+	}
+	if st := w.Status(); st["uncollected"] != 1 {
+		t.Fatalf("status %v: want 1 uncollected", st)
+	}
+	close(g.reading)
+	if got := w.Finished(); !reflect.DeepEqual(got, []string{"r"}) {
+		t.Fatalf("finished %v after the read ended", got)
+	}
+	if got := w.Finished(); len(got) != 0 {
+		t.Fatalf("reported twice: %v", got)
+	}
+}
+
+// TestGrantModes: a send without block ids opens every block while its
+// request is held under GrantsAuto, and nothing under GrantsStrict.
+func TestGrantModes(t *testing.T) {
+	for _, c := range []struct {
+		name     string
+		mode     GrantMode
+		wantOpen int
+	}{{"auto", GrantsAuto, 1}, {"strict", GrantsStrict, 0}} {
+		t.Run(c.name, func(t *testing.T) {
+			g := &grants{open: map[int]int{}}
+			w, err := New(Options{Topology: tp1, Metadata: sidechannel.Metadata{NumBlocks: 64}, Grants: g, GrantMode: c.mode})
+			if err != nil {
+				t.Fatal(err)
+			}
+			w.Send([]SendRequest{{RequestID: "a"}, {RequestID: "b", BlockIDs: []int{3}}})
+			if g.all != c.wantOpen || g.open[3] != 1 {
+				t.Fatalf("all %d open %v", g.all, g.open)
+			}
+			w.Done("a")
+			w.Done("b")
+			if got := w.Finished(); len(got) != 2 {
+				t.Fatalf("finished %v", got)
+			}
+			if g.all != 0 || len(g.open) != 0 {
+				t.Fatalf("left open: all %d, blocks %v", g.all, g.open)
+			}
+		})
+	}
+}
+
+// TestUnknownDoneFlood: 8,192 DONEs for ids the engine never sent (one
+// done_batch_msg's worth) reach the engine as nothing; what is kept is
+// bounded, and the drops are counted.
+func TestUnknownDoneFlood(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	w, err := New(Options{Topology: tp1, Metadata: sidechannel.Metadata{NumBlocks: 64}, Registerer: reg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 8192 {
+		w.Done(fmt.Sprintf("forged-%d", i))
+	}
+	if got := w.Finished(); len(got) != 0 {
+		t.Fatalf("%d DONEs for unknown ids reported as done_sending", len(got))
+	}
+	if st := w.Status(); st["early_dones"] != tracker.DefaultMaxEarly {
+		t.Fatalf("early DONEs kept: %v", st["early_dones"])
+	}
+	want := float64(8192 - tracker.DefaultMaxEarly)
+	if got := gatherCounter(t, reg, "kvflow_prefill_early_dones_dropped_total", "capacity"); got != want {
+		t.Fatalf("dropped (capacity) %v, want %v", got, want)
+	}
+}
+
+func gatherCounter(t *testing.T, reg *prometheus.Registry, name, reason string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "reason" && l.GetValue() == reason {
+					return m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	t.Fatalf("no %s{reason=%q}", name, reason)
+	return 0
 }

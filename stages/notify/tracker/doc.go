@@ -70,9 +70,11 @@
 //     record_finished_requests entry behind) and AddNotTransfer is ignored
 //     (the seed reports it again). AddDelayed still consumes an early-DONE
 //     record, as in the seed.
+//
 //  2. AddNotTransfer of a held request frees it at once (reason
 //     not_transfer) and ends its read grant; the seed reports it but keeps
 //     its delayed entry, to report it again when that expires.
+//
 //  3. Bounded (§5b.6). Early-DONE records and finished requests
 //     (tombstones) are remembered by count, not by time: at most
 //     MaxRecords of them, oldest first (early DONEs from their first Done,
@@ -83,6 +85,7 @@
 //     decode after a force-free) finds its tombstone and is a duplicate,
 //     never a second report, as long as fewer than MaxRecords requests
 //     finished after it.
+//
 //  4. Several DONEs (§5b.5). AddDelayed takes the expected DONE count; the
 //     request is freed by the last one, or at the abort timeout; the seed
 //     frees on the first. Early DONEs count toward it. Because the seed
@@ -93,6 +96,16 @@
 //     large enough that every decode rank reads it). Stats.EarlyShort
 //     counts the requests freed with fewer DONEs than AddDelayed later
 //     expected.
+//
+//  5. HoldEarly (the prefill worker's setting). Early DONEs are not
+//     reported by themselves: they wait, bounded by MaxEarly (count,
+//     oldest dropped) and EarlyTTL (age), for the request's AddDelayed
+//     (freed at once when they cover its expected DONEs) or
+//     AddNotTransfer. Finished then names only requests the caller
+//     handed over; a flood of DONEs for unknown ids costs at most
+//     MaxEarly records and reaches no one. Dropped early DONEs are
+//     counted (Stats.EarlyEvicted, Stats.EarlyExpired). The seed vectors
+//     run with it off.
 //
 // Limitation: a request evicted under rule 3 is new to the tracker; an
 // operation on it after that (a DONE arriving after MaxRecords later

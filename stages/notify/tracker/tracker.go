@@ -19,6 +19,20 @@ const DefaultAbortTimeout = 480 * time.Second
 // bytes each with the index, so ~10 MiB), and evicts the oldest beyond it.
 const DefaultMaxRecords = 1 << 16
 
+// DefaultMaxEarly bounds the early DONEs kept under Options.HoldEarly. A
+// legitimate early DONE waits for its request's send, which reaches the
+// worker with the engine's next step (milliseconds; the decode had to read
+// the blocks first): even 1000 requests/s with one-second steps keep ~1000.
+// 4096 leaves four times that (about 600 KiB), while a flood of DONEs for
+// ids no engine ever sent cannot grow the tracker further.
+const DefaultMaxEarly = 1 << 12
+
+// DefaultEarlyTTL is how long an early DONE is kept under
+// Options.HoldEarly waiting for its send: far longer than any engine step
+// between a request's end and its send, far shorter than the abort
+// timeout that frees a request whose early DONE was dropped.
+const DefaultEarlyTTL = 30 * time.Second
+
 // ErrAlreadyFinished is returned by Done for a request the tracker has
 // already freed (DONE after DONE, after a force-free, an abort or a
 // not-transfer). Nothing is freed and nothing is reported.
@@ -55,6 +69,23 @@ type Options struct {
 	// whatever the request's size. Called with the tracker's lock held: it
 	// must not call the Tracker.
 	EarlyQuorum func(id string) int
+	// HoldEarly keeps early DONEs (DONEs for a request not held yet) until
+	// the request's AddDelayed or AddNotTransfer consumes them, instead of
+	// reporting them by themselves (the seed's rule): Finished then only
+	// ever reports requests the engine handed over, however many DONEs
+	// name ids it never sent, and an early DONE counts toward the DONEs
+	// AddDelayed expects (EarlyDoneQuorum and EarlyQuorum are unused).
+	// Early DONEs are then bounded by MaxEarly (oldest dropped first) and
+	// EarlyTTL (dropped older than that), counted in Stats.EarlyEvicted
+	// and Stats.EarlyExpired; a request whose early DONE was dropped waits
+	// for its abort timeout (or lease end) as if its DONE never came.
+	HoldEarly bool
+	// MaxEarly bounds the early DONEs kept under HoldEarly; 0 selects
+	// DefaultMaxEarly.
+	MaxEarly int
+	// EarlyTTL is how long an early DONE is kept under HoldEarly; 0 selects
+	// DefaultEarlyTTL.
+	EarlyTTL time.Duration
 }
 
 // Validate reports every invalid field (errors.Join).
@@ -68,6 +99,12 @@ func (o Options) Validate() error {
 	}
 	if o.LeaseTTL < 0 {
 		errs = append(errs, fmt.Errorf("tracker: LeaseTTL %v < 0", o.LeaseTTL))
+	}
+	if o.MaxEarly < 0 {
+		errs = append(errs, fmt.Errorf("tracker: MaxEarly %d < 0", o.MaxEarly))
+	}
+	if o.EarlyTTL < 0 {
+		errs = append(errs, fmt.Errorf("tracker: EarlyTTL %v < 0", o.EarlyTTL))
 	}
 	return errors.Join(errs...)
 }
@@ -87,6 +124,12 @@ func (o Options) normalized() Options {
 	}
 	if o.EarlyDoneQuorum <= 0 {
 		o.EarlyDoneQuorum = 1
+	}
+	if o.MaxEarly <= 0 {
+		o.MaxEarly = DefaultMaxEarly
+	}
+	if o.EarlyTTL <= 0 {
+		o.EarlyTTL = DefaultEarlyTTL
 	}
 	return o
 }
@@ -176,6 +219,7 @@ type Stats struct {
 	Leased  int // held requests renewed at least once
 	Pending int // freed, not yet reported by Finished
 	Records int // remembered early-DONE records and finished tombstones
+	Early   int // early DONE records kept under HoldEarly (not in Records)
 
 	Delayed        uint64 // AddDelayed calls that started a hold
 	Refreshed      uint64 // AddDelayed on a held request (start refreshed, as the seed)
@@ -189,6 +233,8 @@ type Stats struct {
 	LeaseExpired   uint64 // renewed requests force-freed at their lease end (of Freed[ReasonExpired])
 	RenewMisses    uint64 // Renew calls for a request not held (or leases off)
 	RecordsEvicted uint64 // records evicted by MaxRecords
+	EarlyEvicted   uint64 // HoldEarly: early DONE records dropped by MaxEarly
+	EarlyExpired   uint64 // HoldEarly: early DONE records dropped by EarlyTTL
 
 	// Freed counts reported requests by reason (index by Reason).
 	Freed [ReasonAborted + 1]uint64
@@ -217,7 +263,8 @@ type entry struct {
 	expected int // stHeld: DONEs expected in total
 	received int // DONEs received (early ones included)
 	reported bool
-	el       *list.Element // in t.held or t.leased (stHeld) or t.mem; nil when pending only
+	el       *list.Element // in t.held or t.leased (stHeld), t.earlyQ or t.mem; nil when pending only
+	inEarly  bool          // stEarly: el is in t.earlyQ (HoldEarly)
 	leased   bool          // stHeld: el is in t.leased
 }
 
@@ -234,6 +281,8 @@ type Tracker struct {
 	// renewal, so in non-decreasing order of lease end.
 	leased *list.List
 	mem    *list.List // *entry, stEarly and reported stGone, oldest first
+	// early holds HoldEarly's stEarly entries, oldest first.
+	earlyQ *list.List
 
 	// pending is the seed's finished_requests: freed, not yet reported.
 	pending    []Freed
@@ -254,6 +303,7 @@ func New(opts Options) *Tracker {
 		held:       list.New(),
 		leased:     list.New(),
 		mem:        list.New(),
+		earlyQ:     list.New(),
 		pendingSet: make(map[string]struct{}),
 	}
 }
@@ -278,8 +328,7 @@ func (t *Tracker) AddNotTransfer(id string) {
 		t.unhold(e)
 		t.free(e, ReasonNotTransfer)
 	case e.st == stEarly && !e.reported:
-		t.mem.Remove(e.el)
-		e.el = nil
+		t.unlinkEarly(e)
 		e.st = stGone
 		t.free(e, ReasonNotTransfer)
 	default:
@@ -337,8 +386,7 @@ func (t *Tracker) AddDelayed(id string, start time.Time, expectedDones int, bloc
 			e.st = stGone
 			return 0
 		}
-		t.mem.Remove(e.el)
-		e.el = nil
+		t.unlinkEarly(e)
 		if e.received >= expectedDones {
 			e.st = stGone
 			t.free(e, ReasonDone)
@@ -368,6 +416,10 @@ func (t *Tracker) Done(id string, now time.Time) (DoneResult, error) {
 		e = &entry{id: id, st: stEarly}
 		t.byID[id] = e
 		t.st.EarlyDones++
+		if t.opts.HoldEarly {
+			t.holdEarly(e, now)
+			return DoneResult{Status: DoneEarly, Early: e.received}, nil
+		}
 		t.early(e, now)
 		return DoneResult{Status: DoneEarly, Early: e.received, Reported: e.reported}, nil
 	case e.st == stHeld:
@@ -382,7 +434,7 @@ func (t *Tracker) Done(id string, now time.Time) (DoneResult, error) {
 	case e.st == stEarly:
 		t.st.EarlyDones++
 		e.received++
-		if !e.reported && e.received >= t.quorum(e.id) {
+		if !t.opts.HoldEarly && !e.reported && e.received >= t.quorum(e.id) {
 			e.reported = true
 			t.queue(e.id, ReasonDone)
 		}
@@ -488,6 +540,7 @@ func (t *Tracker) Finished(now time.Time) []Freed {
 		}
 	}
 	t.evict()
+	t.expireEarly(now)
 	return out
 }
 
@@ -530,6 +583,7 @@ func (t *Tracker) Stats() Stats {
 	s.Leased = t.leased.Len()
 	s.Pending = len(t.pending)
 	s.Records = t.mem.Len()
+	s.Early = t.earlyQ.Len()
 	return s
 }
 
@@ -583,6 +637,54 @@ func (t *Tracker) early(e *entry, now time.Time) {
 		t.queue(e.id, ReasonDone)
 	}
 	t.evict()
+}
+
+// holdEarly records a first early DONE at now under HoldEarly: kept, not
+// reported, within MaxEarly and EarlyTTL.
+func (t *Tracker) holdEarly(e *entry, now time.Time) {
+	e.received = 1
+	if now.Before(t.lastStamp) {
+		now = t.lastStamp
+	}
+	t.lastStamp = now
+	e.stamp = now
+	e.el = t.earlyQ.PushBack(e)
+	e.inEarly = true
+	t.expireEarly(now)
+	for t.earlyQ.Len() > t.opts.MaxEarly {
+		t.st.EarlyEvicted++
+		t.dropEarly(t.earlyQ.Front().Value.(*entry))
+	}
+}
+
+// expireEarly drops HoldEarly's early DONEs older than EarlyTTL at now.
+func (t *Tracker) expireEarly(now time.Time) {
+	for el := t.earlyQ.Front(); el != nil; el = t.earlyQ.Front() {
+		e := el.Value.(*entry)
+		if now.Sub(e.stamp) <= t.opts.EarlyTTL {
+			return
+		}
+		t.st.EarlyExpired++
+		t.dropEarly(e)
+	}
+}
+
+func (t *Tracker) dropEarly(e *entry) {
+	t.earlyQ.Remove(e.el)
+	e.el = nil
+	e.inEarly = false
+	delete(t.byID, e.id)
+}
+
+// unlinkEarly takes a stEarly e out of t.earlyQ or t.mem.
+func (t *Tracker) unlinkEarly(e *entry) {
+	if e.inEarly {
+		t.earlyQ.Remove(e.el)
+		e.inEarly = false
+	} else {
+		t.mem.Remove(e.el)
+	}
+	e.el = nil
 }
 
 // quorum is the number of early DONEs that free request id.

@@ -2,6 +2,8 @@ package tracker
 
 import (
 	"errors"
+	"fmt"
+	"math/rand/v2"
 	"reflect"
 	"slices"
 	"strings"
@@ -496,4 +498,117 @@ func TestRenew(t *testing.T) {
 			t.Fatalf("%+v", st)
 		}
 	})
+}
+
+// TestHoldEarly: with HoldEarly, DONEs for requests not held are never
+// reported by themselves; a send consumes them; they are bounded by count
+// and by age, and the drops are counted.
+func TestHoldEarly(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	t.Run("flood of unknown ids", func(t *testing.T) {
+		tr := New(Options{HoldEarly: true})
+		for i := range 8192 {
+			if res, err := tr.Done(fmt.Sprintf("unknown-%d", i), t0); err != nil || res.Status != DoneEarly || res.Reported {
+				t.Fatalf("done %d: %+v %v", i, res, err)
+			}
+		}
+		if got := tr.Finished(t0); len(got) != 0 {
+			t.Fatalf("unknown DONEs reported to the engine: %d", len(got))
+		}
+		st := tr.Stats()
+		if st.Early != DefaultMaxEarly || st.EarlyEvicted != 8192-DefaultMaxEarly {
+			t.Fatalf("early %d evicted %d, want %d and %d", st.Early, st.EarlyEvicted, DefaultMaxEarly, 8192-DefaultMaxEarly)
+		}
+		if got := tr.Finished(t0.Add(DefaultEarlyTTL + time.Second)); len(got) != 0 {
+			t.Fatalf("expired early DONEs reported: %d", len(got))
+		}
+		if st := tr.Stats(); st.Early != 0 || st.EarlyExpired != DefaultMaxEarly {
+			t.Fatalf("after the ttl: early %d expired %d", st.Early, st.EarlyExpired)
+		}
+	})
+	t.Run("send consumes early DONEs", func(t *testing.T) {
+		tr := New(Options{HoldEarly: true})
+		tr.Done("one", t0)
+		tr.Done("two", t0)
+		tr.Done("nt", t0)
+		if got := tr.Finished(t0); len(got) != 0 {
+			t.Fatalf("reported before the send: %+v", got)
+		}
+		if gen := tr.AddDelayed("one", t0, 1, []int{1}); gen != 0 {
+			t.Fatal("satisfied request held")
+		}
+		if gen := tr.AddDelayed("two", t0, 2, []int{2}); gen == 0 {
+			t.Fatal("request expecting 2 DONEs with 1 early is not held")
+		}
+		tr.AddNotTransfer("nt")
+		got := tr.Finished(t0)
+		if len(got) != 2 || got[0] != (Freed{ID: "one", Reason: ReasonDone}) || got[1] != (Freed{ID: "nt", Reason: ReasonNotTransfer}) {
+			t.Fatalf("finished %+v", got)
+		}
+		if res, _ := tr.Done("two", t0); res.Status != DoneFreed {
+			t.Fatalf("second DONE: %+v", res)
+		}
+		if got := tr.Finished(t0); len(got) != 1 || got[0].ID != "two" {
+			t.Fatalf("finished %+v", got)
+		}
+	})
+	t.Run("dropped early DONE", func(t *testing.T) {
+		tr := New(Options{HoldEarly: true, EarlyTTL: time.Second, MaxEarly: 2})
+		tr.Done("old", t0)
+		tr.Finished(t0.Add(2 * time.Second)) // aged out
+		if gen := tr.AddDelayed("old", t0.Add(2*time.Second), 1, nil); gen == 0 {
+			t.Fatal("a request whose early DONE aged out is not held (it waits for its abort timeout)")
+		}
+		for _, id := range []string{"a", "b", "c"} {
+			tr.Done(id, t0.Add(3*time.Second))
+		}
+		if st := tr.Stats(); st.Early != 2 || st.EarlyEvicted != 1 || st.EarlyExpired != 1 {
+			t.Fatalf("stats %+v", st)
+		}
+	})
+}
+
+// TestHoldEarlyInvariants drives random operations under HoldEarly and
+// checks after each step: Finished names only requests handed over
+// (AddDelayed or AddNotTransfer), each at most once; early DONEs kept stay
+// within MaxEarly.
+func TestHoldEarlyInvariants(t *testing.T) {
+	for seed := range uint64(20) {
+		rng := rand.New(rand.NewPCG(seed, 99))
+		const maxEarly = 8
+		tr := New(Options{HoldEarly: true, MaxEarly: maxEarly, EarlyTTL: 5 * time.Second, AbortTimeout: 20 * time.Second})
+		now := time.Unix(1e6, 0)
+		sent := map[string]bool{}
+		reported := map[string]bool{}
+		for step := range 400 {
+			id := fmt.Sprintf("r%d", rng.IntN(40))
+			switch op := rng.IntN(10); {
+			case op < 5:
+				tr.Done(id, now)
+			case op < 7:
+				tr.AddDelayed(id, now, 1+rng.IntN(3), []int{1})
+				sent[id] = true
+			case op < 8:
+				tr.AddNotTransfer(id)
+				sent[id] = true
+			case op < 9:
+				tr.Abort(id)
+			default:
+				now = now.Add(time.Duration(rng.IntN(3000)) * time.Millisecond)
+			}
+			for _, f := range tr.Finished(now) {
+				if !sent[f.ID] {
+					t.Fatalf("seed %d step %d: %s reported (%v) but never handed over", seed, step, f.ID, f.Reason)
+				}
+				if reported[f.ID] {
+					t.Fatalf("seed %d step %d: %s reported twice", seed, step, f.ID)
+				}
+				reported[f.ID] = true
+			}
+			st := tr.Stats()
+			if st.Early > maxEarly {
+				t.Fatalf("seed %d step %d: %d early DONEs kept, bound %d", seed, step, st.Early, maxEarly)
+			}
+		}
+	}
 }
