@@ -25,6 +25,7 @@ func (transfer) ClassifyFailure(err error) read.Failure {
 			}
 		}
 	}
+	f.Refused = errors.Is(err, mooncake.ErrRejected)
 	f.ConnLost = errors.Is(err, mooncake.ErrPeerClosed) || errors.Is(err, syscall.ECONNREFUSED) ||
 		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
 	return f

@@ -55,6 +55,14 @@
 // Without a FailureClassifier or Refetch, a failed read only invalidates
 // the peer's cached metadata so the next job re-fetches it.
 //
+// Reads before the grant. A prefill with read grants serves a request's
+// blocks only from its engine's send on, which may reach it a scheduler
+// step after the router handed the request to this decode. A batch the
+// peer refused outright (Failure.Refused, no op landed) is read again with
+// backoff (2 ms doubling to 100 ms) until Options.GrantWait (1 s) after
+// the job's admission; counted in kvflow_read_grant_waits_total. A job
+// whose blocks were freed (abort, forged DONE) fails that much later.
+//
 // Byte ledger: when the transfer also reports the bytes that landed per op
 // (ReadsLedgerTransfer or LedgerTransfer), the stage reconciles them with
 // the manifest it posted; any op short of its length fails the job

@@ -108,6 +108,14 @@ type Options struct {
 	// it starts, with j.Metas[task] already the re-fetched metadata: the
 	// request's deadline (decode's stale-read guard).
 	BeforeRetry func(j *job.Job, task int) error
+	// GrantWait: a batch the peer refused outright (Failure.Refused, no op
+	// landed) is read again, with backoff, until GrantWait after the job's
+	// admission. A prefill with read grants serves a request's blocks only
+	// once its engine's send has reached it, which can come a scheduler
+	// step after the router handed the request to this decode. 0 = 1 s
+	// (tens of engine steps); negative: no wait. A request whose blocks
+	// were freed fails that much later.
+	GrantWait time.Duration
 	// BlockSize is the tokens per block (block_size). With a
 	// StridedTransfer and P > 1 the stage reads every block straight into
 	// its stitched layout and marks the job Stitched; 0, NoFuse, or a
@@ -132,6 +140,7 @@ type Stage struct {
 	fused                prometheus.Counter
 	waiting              prometheus.Gauge
 	retries              *prometheus.CounterVec
+	grantWaits           prometheus.Counter
 }
 
 // New makes the stage.
@@ -151,6 +160,9 @@ func New(t Transfer, opts Options) (*Stage, error) {
 	if opts.RefetchTimeout <= 0 {
 		opts.RefetchTimeout = 500 * time.Millisecond
 	}
+	if opts.GrantWait == 0 {
+		opts.GrantWait = time.Second
+	}
 	s := &Stage{t: t, opts: opts, sems: map[string]chan struct{}{}}
 	s.bytes = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_bytes_total", Help: "Bytes read from prefill ranks (successful batches)."})
 	s.ops = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_ops_total", Help: "Transfer ops posted (successful batches)."})
@@ -164,9 +176,11 @@ func New(t Transfer, opts Options) (*Stage, error) {
 	for _, r := range []string{"done", "failed", "refused", "refetch_failed"} {
 		s.retries.WithLabelValues(r)
 	}
+	s.grantWaits = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_grant_waits_total",
+		Help: "Batches read again after the peer refused them before any byte landed, within read GrantWait of admission (the prefill's grant for the request may not have arrived yet)."})
 	s.classify, _ = t.(FailureClassifier)
 	if opts.Registerer != nil {
-		for _, c := range []prometheus.Collector{s.bytes, s.ops, s.failures, s.shortfalls, s.fused, s.waiting, s.retries} {
+		for _, c := range []prometheus.Collector{s.bytes, s.ops, s.failures, s.shortfalls, s.fused, s.waiting, s.retries, s.grantWaits} {
 			if err := opts.Registerer.Register(c); err != nil {
 				return nil, fmt.Errorf("read: register metrics: %w", err)
 			}
@@ -226,17 +240,37 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 		defer cancel()
 	}
 	err, batchErr := s.attempt(ctx, j, i)
-	if batchErr == nil {
+	if batchErr == nil || ctx.Err() != nil {
 		return err
 	}
-	if ctx.Err() != nil {
-		return err
-	}
-	if s.classify == nil || s.opts.Refetch == nil {
+	if s.classify == nil {
 		s.invalidate(j, i)
 		return err
 	}
-	return s.recover(ctx, j, i, err, s.classify.ClassifyFailure(batchErr))
+	f := s.classify.ClassifyFailure(batchErr)
+	for backoff := 2 * time.Millisecond; f.Refused && !f.Moved; backoff = min(2*backoff, 100*time.Millisecond) {
+		// Refused before any byte: the peer may not have its grant yet.
+		if time.Since(j.Submitted)+backoff > s.opts.GrantWait {
+			break
+		}
+		t := time.NewTimer(backoff)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return err
+		case <-t.C:
+		}
+		s.grantWaits.Inc()
+		if err, batchErr = s.attempt(ctx, j, i); batchErr == nil || ctx.Err() != nil {
+			return err
+		}
+		f = s.classify.ClassifyFailure(batchErr)
+	}
+	if s.opts.Refetch == nil {
+		s.invalidate(j, i)
+		return err
+	}
+	return s.recover(ctx, j, i, err, f)
 }
 
 // recover handles task i's failed batch (err; f, how it failed): it

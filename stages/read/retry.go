@@ -20,6 +20,9 @@ type Failure struct {
 	// Moved: some op of the batch landed before it failed, so the peer
 	// the job read from was alive and serving during this job's read.
 	Moved bool
+	// Refused: the peer answered and refused the reads (with read grants,
+	// blocks it does not serve: not yet sent, or already freed).
+	Refused bool
 }
 
 // FailureClassifier is an optional capability of a Transfer: it tells how
