@@ -60,7 +60,7 @@ func planKvflow(topo Topology, self Rank, req Request) (Plan, error) {
 		return Plan{}, fmt.Errorf("decode pp stage %d: %w", self.PP, err)
 	}
 	ptp, pp := topo.Prefill.TP, topo.Prefill.PP
-	pl := Plan{RequestID: req.ID, RemoteHost: req.RemoteHost, RemoteEngineID: req.RemoteEngineID, Mode: ModeTP, P: 1}
+	pl := Plan{RequestID: req.ID, RemoteHost: req.RemoteHost, RemoteEngineID: req.RemoteEngineID, Mode: ModeTP, P: 1, KvflowOnly: true}
 	// srcs[i]: prefill TP rank of head slot i (the same in every stage).
 	var srcs []int
 	src := HeadSource{Split: 1}

@@ -70,6 +70,9 @@ type Plan struct {
 	P              int  // tp_num_need_pulls
 	Stitch         bool // P > 1: heads must be re-interleaved after all tasks landed
 	Tasks          []Task
+	// KvflowOnly: planned for a topology the seed cannot serve
+	// (Topology.NeedsKvflowPeer); every remote rank must be kvflow.
+	KvflowOnly bool
 }
 
 // Entry is one element of the seed's _get_kv_split_metadata result: the ports

@@ -66,6 +66,13 @@ type StridedTransfer interface {
 // ErrShortfall marks a batch whose ledger shows fewer bytes than posted.
 var ErrShortfall = errors.New("read: byte ledger shortfall")
 
+// ErrPeerNotKvflow marks a task of a kvflow-only plan (decode TP > prefill
+// TP, or decode PP > 1: plan.Plan.KvflowOnly) whose remote rank's
+// metadata carries no kvflow extension (no boot epoch): a seed or Mooncake
+// peer, which would not wait for this topology's DONEs (it frees on the
+// first, or never). The task is refused before any read.
+var ErrPeerNotKvflow = errors.New("read: peer is not kvflow and cannot serve this topology")
+
 // Invalidator drops cached metadata of task i of j (the handshake cache).
 type Invalidator func(j *job.Job, task int)
 
@@ -147,6 +154,10 @@ func New(t Transfer, opts Options) (*Stage, error) {
 	}
 	if opts.SmallBatch == 0 {
 		opts.SmallBatch = 4 << 20
+	}
+	if opts.Layout.BlockSize == 0 {
+		// Head-split tasks (decode TP > prefill TP) read token rows.
+		opts.Layout.BlockSize = opts.BlockSize
 	}
 	if opts.RefetchTimeout <= 0 {
 		opts.RefetchTimeout = 500 * time.Millisecond
@@ -295,6 +306,9 @@ func (s *Stage) attempt(ctx context.Context, j *job.Job, i int) (err, batchErr e
 	m := j.Metas[i]
 	if err := bootedAfter(m, j.Submitted); err != nil {
 		return fmt.Errorf("read task %d (rank %d): %w", i, t.RemoteRank, err), nil
+	}
+	if j.Plan.KvflowOnly && m.BootEpoch == 0 {
+		return fmt.Errorf("read task %d (rank %d, engine %q): %w (decode tp > prefill tp or decode pp > 1 needs a kvflow prefill instance)", i, t.RemoteRank, m.EngineID, ErrPeerNotKvflow), nil
 	}
 	rd := readsPool.Get().(*plan.Reads)
 	defer func() {
