@@ -132,8 +132,15 @@ func NeedPulls(m Model, prefillTP, decodeTP int) int {
 	return d / p
 }
 
-// NeedPulls is tp_num_need_pulls for this topology (P in the package docs).
-func (t Topology) NeedPulls() int { return NeedPulls(t.Model, t.Prefill.TP, t.Decode.TP) }
+// NeedPulls is tp_num_need_pulls for this topology (P in the package docs);
+// 1 when decode TP > prefill TP (kvflow only: each decode rank reads one
+// prefill rank, where the seed's formula gives 0).
+func (t Topology) NeedPulls() int {
+	if t.Decode.TP > t.Prefill.TP {
+		return 1
+	}
+	return NeedPulls(t.Model, t.Prefill.TP, t.Decode.TP)
+}
 
 // SideChannelPort is the seed's side_channel_port: kv_port + dp_rank*tp*pp*pcp,
 // the base handshake port of a DP replica.
