@@ -33,7 +33,10 @@
 // locally moves HeadSplit times the bytes but far fewer ops; on the TCP
 // engine over loopback that is faster (bench.BenchmarkHeadSlice, figures
 // in bench/RESULTS.md), while on RDMA, where an op costs a descriptor,
-// the row reads win; see RESULTS.md for why the row reads are kept.
+// the row reads win; see RESULTS.md for why the row reads are kept. Row
+// reads are block_size times as many ops as block reads, so a long
+// head-split task is posted a few layers at a time (at most 64Ki ops per
+// batch; the same ops in the same order, the task still one unit).
 // A kvflow-only plan (plan.Plan.KvflowOnly) is refused with
 // ErrPeerNotKvflow, before any read, when the remote rank's metadata has
 // no kvflow boot epoch: a seed or Mooncake peer would not wait for the

@@ -344,7 +344,22 @@ func (s *Stage) attempt(ctx context.Context, j *job.Job, i int) (err, batchErr e
 		}
 		defer func() { <-sem }()
 	}
-	if err := s.batch(ctx, session, rd, j.Stitched); err != nil {
+	if chunks := headSliceChunks(t, nops); len(chunks) > 1 {
+		// A head-split task reads one op per token row: posted whole, a
+		// long request's op list would take tens of MiB. Read it a few
+		// layers at a time (the same ops, in order; the task still
+		// succeeds or fails as one).
+		remote := plan.Caches{Base: m.BaseAddrs, NumBlocks: m.NumBlocks}
+		for _, c := range chunks {
+			if err := rd.Build(s.opts.Layout, c, s.opts.Local, remote); err != nil {
+				return fmt.Errorf("read task %d (rank %d) layers [%d, %d): %w", i, t.RemoteRank, c.LayerStart, c.LayerEnd, err), nil
+			}
+			if err := s.batch(ctx, session, rd, false); err != nil {
+				s.failures.Inc()
+				return fmt.Errorf("read task %d (rank %d) session %s, layers [%d, %d), %d ops: %w", i, t.RemoteRank, session, c.LayerStart, c.LayerEnd, rd.Len(), err), err
+			}
+		}
+	} else if err := s.batch(ctx, session, rd, j.Stitched); err != nil {
 		s.failures.Inc()
 		return fmt.Errorf("read task %d (rank %d) session %s, %d ops: %w", i, t.RemoteRank, session, nops, err), err
 	}
@@ -353,6 +368,34 @@ func (s *Stage) attempt(ctx context.Context, j *job.Job, i int) (err, batchErr e
 	s.bytes.Add(float64(n))
 	s.ops.Add(float64(nops))
 	return nil, nil
+}
+
+// maxHeadSliceOps bounds the ops of one batch of a head-split task: 64Ki
+// ops (1.5 MiB of engine ops) is what a P = 4 seed task of 64 layers and
+// 128 blocks posts at once, while the same request read as head slices is
+// block_size (128) times as many.
+const maxHeadSliceOps = 1 << 16
+
+// headSliceChunks splits head-split task t, whose reads are nops ops, into
+// layer ranges of at most maxHeadSliceOps ops each (at least one layer
+// each); any other task, or one small enough, is returned whole.
+func headSliceChunks(t plan.Task, nops int) []plan.Task {
+	layers := t.LayerEnd - t.LayerStart
+	if t.HeadSplit <= 1 || nops <= maxHeadSliceOps || layers < 2 {
+		return []plan.Task{t}
+	}
+	per := max(1, maxHeadSliceOps/(nops/layers))
+	if t.RemoteLayers == 0 {
+		t.RemoteLayers = layers // the task covers its remote stage
+	}
+	var out []plan.Task
+	for lo := t.LayerStart; lo < t.LayerEnd; lo += per {
+		c := t
+		c.LayerStart, c.LayerEnd = lo, min(lo+per, t.LayerEnd)
+		c.RemoteLayerSkip = t.RemoteLayerSkip + lo - t.LayerStart
+		out = append(out, c)
+	}
+	return out
 }
 
 // batch runs rd's ops, handing the compact form to a ReadsTransfer (which
