@@ -118,6 +118,10 @@ type Model struct {
 	// ("" = unset): comma-separated layers per prefill PP stage. kvflow never
 	// reads the environment variable itself.
 	PPLayerPartition string `json:"pp_layer_partition"`
+	// DecodePPLayerPartition is the decode instance's
+	// VLLM_PP_LAYER_PARTITION ("" = unset), for decode pp_size > 1
+	// (kvflow ↔ kvflow only: the seed has no decode PP).
+	DecodePPLayerPartition string `json:"decode_pp_layer_partition"`
 }
 
 // Rank is this worker's position in its instance (vLLM's tp/pp/dp/pcp/dcp
@@ -621,10 +625,11 @@ func (c Config) Topology() plan.Topology {
 	}
 	m := c.Model
 	return plan.Topology{
-		Prefill:          ex.Prefill.plan(pPort),
-		Decode:           ex.Decode.plan(dPort),
-		Model:            plan.Model{NumLayers: m.NumLayers, NumKVHeads: m.NumKVHeads, MLA: m.MLA, Sparse: m.Sparse},
-		PPLayerPartition: m.PPLayerPartition,
+		Prefill:                ex.Prefill.plan(pPort),
+		Decode:                 ex.Decode.plan(dPort),
+		Model:                  plan.Model{NumLayers: m.NumLayers, NumKVHeads: m.NumKVHeads, MLA: m.MLA, Sparse: m.Sparse},
+		PPLayerPartition:       m.PPLayerPartition,
+		DecodePPLayerPartition: m.DecodePPLayerPartition,
 	}
 }
 
@@ -646,7 +651,11 @@ func (c Config) Shape() (npu.Shape, error) {
 	own := c.own()
 	layers := m.NumLayers
 	if own.PPSize > 1 {
-		start, end, err := plan.PPIndices(m.NumLayers, c.Rank.PP, own.PPSize, m.PPLayerPartition)
+		part := m.PPLayerPartition
+		if c.Role() == Decode {
+			part = m.DecodePPLayerPartition
+		}
+		start, end, err := plan.PPIndices(m.NumLayers, c.Rank.PP, own.PPSize, part)
 		if err != nil {
 			return npu.Shape{}, rewrite(err)
 		}

@@ -329,13 +329,17 @@ func TestValidate(t *testing.T) {
 			[]string{"kv_transfer_config.kv_port: must be in 1..65535, got 70000"}},
 		{"handshake ports overflow", Prefill, func(c *Config) { c.KVTransfer.KVPort = 65534 },
 			[]string{"kv_transfer_config.kv_port: handshake ports 65534..65537 outside 1..65535"}},
-		{"decode tp > prefill tp", Decode, func(c *Config) { c.KVTransfer.KVConnectorExtraConfig.Decode.TPSize = 8 },
-			[]string{"kv_transfer_config.kv_connector_extra_config.prefill.tp_size: 4 must be greater than or equal to kv_transfer_config.kv_connector_extra_config.decode.tp_size 8"}},
+		{"decode tp > prefill tp (kvflow only)", Decode, func(c *Config) { c.KVTransfer.KVConnectorExtraConfig.Decode.TPSize = 8 }, nil},
+		{"decode tp not a multiple of prefill tp", Decode, func(c *Config) { c.KVTransfer.KVConnectorExtraConfig.Decode.TPSize = 6; c.Model.NumKVHeads = 24 },
+			[]string{"kv_transfer_config.kv_connector_extra_config.decode.tp_size: 6 is not a multiple of kv_transfer_config.kv_connector_extra_config.prefill.tp_size 4"}},
 		{"gqa heads", Decode, func(c *Config) { c.Model.NumKVHeads = 3 },
 			[]string{"prefill.tp_size: 4 and model.num_kv_heads 3: neither divides", "decode.tp_size: 2 and model.num_kv_heads 3: neither divides",
 				"decode.tp_size: 2 decode ranks x tp_num_need_pulls 1 != 4 chosen prefill ranks per stage"}},
-		{"decode pp", Decode, func(c *Config) { c.KVTransfer.KVConnectorExtraConfig.Decode.PPSize = 2 },
-			[]string{"kv_transfer_config.kv_connector_extra_config.decode.pp_size: must be 1, got 2"}},
+		{"decode pp (kvflow only)", Decode, func(c *Config) { c.KVTransfer.KVConnectorExtraConfig.Decode.PPSize = 2 }, nil},
+		{"decode pp partition", Decode, func(c *Config) {
+			c.KVTransfer.KVConnectorExtraConfig.Decode.PPSize = 2
+			c.Model.DecodePPLayerPartition = "10,10"
+		}, []string{"model.decode_pp_layer_partition: partitions in \"10,10\" sum to 20, not model.num_layers 32"}},
 		{"tp rank out of range", Decode, func(c *Config) { c.Rank.TP = 2 },
 			[]string{"rank.tp: 2 outside [0, kv_transfer_config.kv_connector_extra_config.decode.tp_size 2)"}},
 		{"prefill tp rank ok at 3", Prefill, func(c *Config) { c.Rank.TP = 3 }, nil},

@@ -66,7 +66,9 @@
 //
 //   - never reads the environment: VLLM_NIXL_ABORT_REQUEST_TIMEOUT and
 //     VLLM_PP_LAYER_PARTITION are tracker.abort_request_timeout and
-//     model.pp_layer_partition, set explicitly;
+//     model.pp_layer_partition (the prefill instance's;
+//     model.decode_pp_layer_partition is the decode instance's, for
+//     decode pp_size > 1, kvflow ↔ kvflow only), set explicitly;
 //   - never reads a file other than the one passed to Load or named by
 //     --config (key files and the cache file are opened by their users);
 //   - never panics on bad input (FuzzFromJSON); never silently ignores an

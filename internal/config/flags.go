@@ -43,6 +43,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.BoolVar(&m.Sparse, "sparse", m.Sparse, "sparse attention, 3-part cache; needs -mla (model.sparse)")
 	fs.IntVar(&m.IndexerDim, "indexer-dim", m.IndexerDim, "sparse indexer width (model.indexer_dim)")
 	fs.StringVar(&m.PPLayerPartition, "pp-layer-partition", m.PPLayerPartition, "prefill's VLLM_PP_LAYER_PARTITION, e.g. 16,16 (model.pp_layer_partition)")
+	fs.StringVar(&m.DecodePPLayerPartition, "decode-pp-layer-partition", m.DecodePPLayerPartition, "decode's VLLM_PP_LAYER_PARTITION with decode pp > 1, kvflow peers only (model.decode_pp_layer_partition)")
 
 	r := &c.Rank
 	fs.IntVar(&r.TP, "tp-rank", r.TP, "this worker's tensor parallel rank (rank.tp)")

@@ -356,6 +356,7 @@ func rewrite(err error) error {
 			{"prefill: ", extraPath + "prefill: "},
 			{"decode: ", extraPath + "decode: "},
 			{"pp_layer_partition: ", "model.pp_layer_partition: "},
+			{"decode_pp_layer_partition: ", "model.decode_pp_layer_partition: "},
 		} {
 			if strings.HasPrefix(msg, p.old) {
 				msg = p.new + strings.TrimPrefix(msg, p.old)

@@ -22,6 +22,7 @@ type topo struct {
 	name                 string
 	prefillTP, decodeTP  int
 	prefillPP            int
+	decodePP             int // kvflow only: decode pipeline stages
 	model                config.Model
 	prefixHit, emptyReqs bool
 	grants               bool
@@ -31,6 +32,18 @@ type topo struct {
 
 func gqa(layers int) config.Model {
 	return config.Model{NumLayers: layers, NumKVHeads: 8, HeadDim: 16, BlockSize: 16, DType: "bf16", NumBlocks: 48}
+}
+
+// heads is m with n KV heads.
+func heads(m config.Model, n int) config.Model {
+	m.NumKVHeads = n
+	return m
+}
+
+// decodePartition is m with the decode instance's layer partition.
+func decodePartition(m config.Model, part string) config.Model {
+	m.DecodePPLayerPartition = part
+	return m
 }
 
 func mla() config.Model {
@@ -57,7 +70,7 @@ func baseConfig(tp topo, role string, kvPort int) config.Config {
 	c := config.Default()
 	kv := &c.KVTransfer
 	kv.KVConnectorExtraConfig.Prefill = config.Parallel{TPSize: tp.prefillTP, DPSize: 1, PPSize: max(1, tp.prefillPP)}
-	kv.KVConnectorExtraConfig.Decode = config.Parallel{TPSize: tp.decodeTP, DPSize: 1, PPSize: 1}
+	kv.KVConnectorExtraConfig.Decode = config.Parallel{TPSize: tp.decodeTP, DPSize: 1, PPSize: max(1, tp.decodePP)}
 	kv.KVPort = config.Port(kvPort)
 	if role == "prefill" {
 		kv.KVRole, kv.EngineID = config.KVProducer, "P"
@@ -117,17 +130,19 @@ func tryCluster(t *testing.T, tp topo, kvPort int) (*cluster, error) {
 			c.regs[n] = reg
 		}
 	}
-	for r := range tp.decodeTP {
-		cfg := baseConfig(tp, "decode", kvPort+1000)
-		cfg.Rank = config.Rank{TP: r}
-		reg := prometheus.NewRegistry()
-		n, err := Start(cfg, Deps{Registerer: reg, OnFinish: func(res decode.Result) { c.results <- res }})
-		if err != nil {
-			closeAll()
-			return nil, err
+	for p := range max(1, tp.decodePP) {
+		for r := range tp.decodeTP {
+			cfg := baseConfig(tp, "decode", kvPort+1000)
+			cfg.Rank = config.Rank{TP: r, PP: p}
+			reg := prometheus.NewRegistry()
+			n, err := Start(cfg, Deps{Registerer: reg, OnFinish: func(res decode.Result) { c.results <- res }})
+			if err != nil {
+				closeAll()
+				return nil, err
+			}
+			c.decode = append(c.decode, n)
+			c.regs[n] = reg
 		}
-		c.decode = append(c.decode, n)
-		c.regs[n] = reg
 	}
 	t.Cleanup(closeAll)
 	return c, nil
@@ -182,6 +197,16 @@ func TestEndToEnd(t *testing.T) {
 		{name: "sparse-tp2-to-2", prefillTP: 2, decodeTP: 2, model: sparse()},
 		{name: "prefix-hit", prefillTP: 2, decodeTP: 1, model: gqa(3), prefixHit: true},
 		{name: "tp4-to-2-plain-done", prefillTP: 4, decodeTP: 2, model: gqa(4), plainDone: true},
+		// kvflow-only topologies (issue 24): head slices, replicated heads,
+		// the latent spread by request, decode PP stages.
+		{name: "kvflow-tp1-to-2", prefillTP: 1, decodeTP: 2, model: gqa(3)},
+		{name: "kvflow-tp2-to-4", prefillTP: 2, decodeTP: 4, model: gqa(3), prefixHit: true},
+		{name: "kvflow-tp2-to-8-replicated", prefillTP: 2, decodeTP: 8, model: heads(gqa(2), 4)},
+		{name: "kvflow-mla-tp1-to-4", prefillTP: 1, decodeTP: 4, model: mla()},
+		{name: "kvflow-mla-tp2-to-4", prefillTP: 2, decodeTP: 4, model: mla()},
+		{name: "kvflow-decode-pp2-prefill-pp1", prefillTP: 1, decodeTP: 1, decodePP: 2, model: gqa(5)},
+		{name: "kvflow-decode-pp2-prefill-pp2", prefillTP: 2, decodeTP: 1, prefillPP: 2, decodePP: 2, model: decodePartition(gqa(5), "2,3")},
+		{name: "kvflow-decode-pp2-tp1-to-2", prefillTP: 1, decodeTP: 2, decodePP: 2, model: gqa(4)},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

@@ -54,28 +54,35 @@ func FillBlocks(c Blocks, layers, parts int, rank int, blocks []int, tag uint64)
 
 // Check compares decode's blocks for the plan pl against the pattern the
 // prefill ranks were filled with (tag; rank r's layer index is global
-// layer - the task's LayerStart). rowBytes[part] is the bytes of one token
-// of one part on a prefill rank (its heads × dim × dtype). It returns the
-// number of mismatching bytes and the first mismatch.
+// layer minus its PP stage's first layer). rowBytes[part] is the bytes of
+// one token of one part on a prefill rank (its heads × dim × dtype). The
+// decode cache holds the layers of its own PP stage from the task's
+// LocalLayerBase; a head-split task (HeadSplit > 1) holds slice HeadSlice
+// of every prefill row. It returns the number of mismatching bytes and the
+// first mismatch.
 func Check(dec Blocks, pl plan.Plan, rowBytes []int, tag uint64) (bad int64, err error) {
 	var scratch []byte
 	for _, t := range pl.Tasks {
 		nl := len(t.LocalBlockIDs)
 		remote := t.RemoteBlockIDs[len(t.RemoteBlockIDs)-nl:]
+		split := max(1, t.HeadSplit)
 		for layer := t.LayerStart; layer < t.LayerEnd; layer++ {
+			remoteLayer := layer - t.LayerStart + t.RemoteLayerSkip
 			for part, row := range rowBytes {
+				drow := row / split // the decode rank's share of a prefill row
 				for i, lb := range t.LocalBlockIDs {
-					got := dec.Block(layer, part, lb)
-					src := len(got) / max(1, t.P)
+					got := dec.Block(layer-t.LocalLayerBase, part, lb)
+					src := len(got) / max(1, t.P) * split
 					if cap(scratch) < src {
 						scratch = make([]byte, src)
 					}
 					want := scratch[:src]
-					Fill(want, Seed(tag, t.RemoteRank, layer-t.LayerStart, part, remote[i]))
-					// Token tok of the source lands at row tok*P + slot.
+					Fill(want, Seed(tag, t.RemoteRank, remoteLayer, part, remote[i]))
+					// Token tok of the source lands at row tok*P + slot
+					// (slice HeadSlice of it with a head split).
 					for tok := 0; tok*row < src; tok++ {
-						off := (tok*t.P + t.HeadSlot) * row
-						g, w := got[off:off+row], want[tok*row:(tok+1)*row]
+						off := (tok*t.P + t.HeadSlot) * drow
+						g, w := got[off:off+drow], want[tok*row+t.HeadSlice*drow:][:drow]
 						if bytes.Equal(g, w) {
 							continue
 						}

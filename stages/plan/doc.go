@@ -25,6 +25,8 @@
 //	Request{ID; LocalBlockIDs, RemoteBlockIDs; RemoteHost; RemotePort; RemoteEngineID; RemotePCPSize, RemoteDCPSize}
 //
 //	(Topology).Validate() error                       // every problem of the P/D configuration
+//	(Topology).NeedsKvflowPeer() bool                 // decode TP > prefill TP or decode PP > 1
+//	(Topology).HeadSourceFor(reqID, tp) (HeadSource, error)
 //	PlanRequest(topo, self Rank, req Request) (Plan, error)
 //	(*Reads).Build(layout CacheLayout, t Task, local, remote Caches) error
 //	AppendOps(dst []Op, layout CacheLayout, t Task, local, remote Caches) ([]Op, error)
@@ -84,9 +86,12 @@
 // # Validation
 //
 // Topology.Validate rejects, before any request runs: missing or
-// non-positive sizes; decode TP > prefill TP; decode TP not dividing prefill
-// TP; KV heads and a TP size neither dividing the other (GQA); DCP not
-// dividing TP; decode PP > 1; PP with PCP on one instance, and prefill PP with
+// non-positive sizes; decode TP not dividing prefill TP (when smaller) or
+// not a multiple of it (when larger, GQA); KV heads and a TP size neither
+// dividing the other (GQA); DCP not dividing TP; decode TP > prefill TP or
+// decode PP > 1 with context parallelism; fewer layers than decode PP
+// stages, a bad DecodePPLayerPartition or one with an empty stage; PP with
+// PCP on one instance, and prefill PP with
 // any context parallelism; fewer layers than prefill PP stages; a bad
 // PPLayerPartition (not ints, wrong count, wrong sum, negative); rank groups
 // that would not give every decode rank exactly P ranks per stage; sparse
@@ -96,6 +101,40 @@
 // (each field in range) and the request (non-negative block ids, local
 // count <= remote count outside split mode, remote port in range, remote
 // PCP/DCP sizes equal to the topology's prefill sizes).
+//
+// # Kvflow-only topologies (issue 24)
+//
+// The seed serves prefill TP >= decode TP and decode PP = 1 only, and
+// raises otherwise. kvflow also plans decode TP > prefill TP and decode
+// PP > 1 (Topology.NeedsKvflowPeer), between kvflow nodes only: the
+// prefill side must count the DONEs planned here, so a decode worker
+// refuses a peer that does not advertise kvflow metadata. Every topology
+// the seed accepts is planned exactly as before (the vectors); the new
+// fields of Task are zero there.
+//
+//   - Decode TP > prefill TP (HeadSourceFor). GQA: decode rank d holds
+//     max(1, H/decode_tp) heads starting at head g (d*H/decode_tp, or
+//     d/(decode_tp/H) when the decode side replicates heads); they lie on
+//     one prefill rank, g/(H/prefill_tp), as slice (g mod hp)/hd of
+//     Split = hp/hd equal head slices of every token row. The task reads
+//     that slice (Task.HeadSplit, HeadSlice): one op per token row, local
+//     rows contiguous, remote rows Split times longer (Reads: runs are
+//     rows; CacheLayout.BlockSize is needed). When the prefill side also
+//     replicates (prefill TP > H), replica j of the decode ranks holding
+//     head g reads prefill replica j mod (prefill_tp/H), for every
+//     request. MLA/sparse: each decode rank reads the whole latent from
+//     prefill rank (hash(id) + d) mod prefill_tp. P is 1, no stitch.
+//   - Decode PP > 1. Decode stage s holds layers PPIndices(layers, s,
+//     decode_pp, DecodePPLayerPartition) and reads, from every prefill
+//     stage whose layers overlap them, only the overlap: Task.LayerStart/
+//     LayerEnd is the overlap, LocalLayerBase the decode stage's first
+//     layer (its local tensors start there), RemoteLayerSkip and
+//     RemoteLayers locate the overlap in the prefill stage's tensor list.
+//     Prefill stages without overlap get no task from that decode stage.
+//     With prefill TP >= decode TP the head slots are the seed's rank
+//     choice; the last task is Last (and Stitch when P > 1).
+//   - PrefillExpectedDones counts the tasks of every decode rank (TP x PP)
+//     aimed at the prefill rank, so it frees after all of them.
 //
 // # Deliberate deviations from the seed (ARCHITECTURE §5b)
 //

@@ -34,9 +34,13 @@ func GroupContiguous(src, dst []int) (srcGroups, dstGroups [][]int, err error) {
 // cache tensors are flattened layer by layer, CachesPerLayer per layer (2 for
 // GQA K/V and MLA, 3 for sparse), and tensor k uses BlockLen[k % len(BlockLen)]
 // (the seed's k % 2, k % 3, or [0]).
+//
+// BlockSize (tokens per block) is needed only by head-split tasks
+// (Task.HeadSplit > 1), whose reads are token rows; 0 means unknown.
 type CacheLayout struct {
 	BlockLen       []uint64
 	CachesPerLayer int
+	BlockSize      int
 }
 
 // Caches is one side's registered cache tensors: base address of every
@@ -88,7 +92,9 @@ func OpCount(t Task, layout CacheLayout) int {
 		return 0
 	}
 	groups := nl
-	if t.P == 1 {
+	if t.HeadSplit > 1 {
+		groups = nl * layout.BlockSize
+	} else if t.P == 1 {
 		rem := t.RemoteBlockIDs[len(t.RemoteBlockIDs)-nl:]
 		groups = 1
 		for i := 1; i < nl; i++ {

@@ -42,6 +42,23 @@ type Task struct {
 	RemoteBlockIDs []int
 	Last           bool // the seed's all_task_done: the task whose end finishes the request
 	Stitch         bool // the seed runs _cat_kv_cache after this task (P > 1, last offset)
+
+	// Kvflow-only topologies (Topology.NeedsKvflowPeer); all zero in every
+	// plan the seed makes, and zero values keep the seed's arithmetic.
+	//
+	// HeadSplit > 1 (decode TP > prefill TP, GQA): the remote block holds
+	// HeadSplit times the local block's heads, and the task reads slice
+	// HeadSlice of every token row (row = local block_len / block_size
+	// bytes, remote rows HeadSplit times longer). P is 1 then.
+	HeadSplit, HeadSlice int
+	// LocalLayerBase is the first layer of this decode worker's PP stage:
+	// its local cache tensors start there (decode PP > 1).
+	LocalLayerBase int
+	// RemoteLayerSkip is how many layers of the remote prefill stage come
+	// before LayerStart, and RemoteLayers how many layers that stage has
+	// (its metadata lists their tensors); 0 means LayerEnd-LayerStart, the
+	// task covering the whole stage as in the seed.
+	RemoteLayerSkip, RemoteLayers int
 }
 
 // Plan is everything the decode worker does for one request.
@@ -53,6 +70,9 @@ type Plan struct {
 	P              int  // tp_num_need_pulls
 	Stitch         bool // P > 1: heads must be re-interleaved after all tasks landed
 	Tasks          []Task
+	// KvflowOnly: planned for a topology the seed cannot serve
+	// (Topology.NeedsKvflowPeer); every remote rank must be kvflow.
+	KvflowOnly bool
 }
 
 // Entry is one element of the seed's _get_kv_split_metadata result: the ports
@@ -218,6 +238,9 @@ func PlanRequest(topo Topology, self Rank, req Request) (Plan, error) {
 
 // planValid plans a request against an already validated topology.
 func planValid(topo Topology, self Rank, req Request) (Plan, error) {
+	if topo.NeedsKvflowPeer() {
+		return planKvflow(topo, self, req)
+	}
 	p := topo.NeedPulls()
 	mode, entries, err := SplitMetadata(topo, self, req)
 	if err != nil {
@@ -322,15 +345,17 @@ func PrefillExpectedDones(topo Topology, self Rank, reqID string, numBlocks int)
 	req := Request{ID: reqID, LocalBlockIDs: blocks, RemoteBlockIDs: blocks, RemotePort: base,
 		RemotePCPSize: topo.Prefill.pcp(), RemoteDCPSize: topo.Prefill.dcp()}
 	n := 0
-	for pcp := 0; pcp < topo.Decode.pcp(); pcp++ {
-		for tp := 0; tp < topo.Decode.TP; tp++ {
-			pl, err := planValid(topo, Rank{TP: tp, PCP: pcp}, req)
-			if err != nil {
-				return 0, fmt.Errorf("plan: request %q, decode tp %d pcp %d: %w", reqID, tp, pcp, err)
-			}
-			for _, t := range pl.Tasks {
-				if t.RemoteRank == me {
-					n++
+	for pp := 0; pp < topo.Decode.PP; pp++ {
+		for pcp := 0; pcp < topo.Decode.pcp(); pcp++ {
+			for tp := 0; tp < topo.Decode.TP; tp++ {
+				pl, err := planValid(topo, Rank{TP: tp, PP: pp, PCP: pcp}, req)
+				if err != nil {
+					return 0, fmt.Errorf("plan: request %q, decode tp %d pp %d pcp %d: %w", reqID, tp, pp, pcp, err)
+				}
+				for _, t := range pl.Tasks {
+					if t.RemoteRank == me {
+						n++
+					}
 				}
 			}
 		}

@@ -50,6 +50,12 @@ func PPIndices(numLayers, ppRank, ppSize int, partition string) (start, end int,
 // underscores between digits; so does this. Negative counts are rejected
 // (vLLM would produce inverted layer ranges).
 func parsePartition(s string, numLayers, ppSize int) ([]int, error) {
+	return parsePartitionFor("pp_layer_partition", "prefill.pp_size", s, numLayers, ppSize)
+}
+
+// parsePartitionFor is parsePartition with the names its errors use: the
+// partition's field and the PP size it must match.
+func parsePartitionFor(field, sizeField, s string, numLayers, ppSize int) ([]int, error) {
 	if s == "" {
 		return nil, nil
 	}
@@ -59,19 +65,19 @@ func parsePartition(s string, numLayers, ppSize int) ([]int, error) {
 	for i, f := range fields {
 		v, ok := pyInt(f)
 		if !ok {
-			return nil, fmt.Errorf("pp_layer_partition: invalid partition string %q", s)
+			return nil, fmt.Errorf("%s: invalid partition string %q", field, s)
 		}
 		if v < 0 {
-			return nil, fmt.Errorf("pp_layer_partition: negative layer count %d in %q", v, s)
+			return nil, fmt.Errorf("%s: negative layer count %d in %q", field, v, s)
 		}
 		parts[i] = v
 		sum += v
 	}
 	if len(parts) != ppSize {
-		return nil, fmt.Errorf("pp_layer_partition: %d partitions in %q do not match prefill.pp_size %d", len(parts), s, ppSize)
+		return nil, fmt.Errorf("%s: %d partitions in %q do not match %s %d", field, len(parts), s, sizeField, ppSize)
 	}
 	if sum != numLayers {
-		return nil, fmt.Errorf("pp_layer_partition: partitions in %q sum to %d, not model.num_hidden_layers %d", s, sum, numLayers)
+		return nil, fmt.Errorf("%s: partitions in %q sum to %d, not model.num_hidden_layers %d", field, s, sum, numLayers)
 	}
 	return parts, nil
 }

@@ -27,6 +27,10 @@ type Reads struct {
 	slot            uint64    // HeadSlot
 	p               uint64    // tp_num_need_pulls
 	slotOff         [3]uint64 // per part: the head slot's offset in a block (HeadSlot*L/P; Interleave changes it)
+	localStride     [3]uint64 // per part: local bytes per run unit (L; a row with HeadSplit)
+	remoteStride    [3]uint64 // per part: remote bytes per run unit (L/P; a remote row with HeadSplit)
+	remoteOff       [3]uint64 // per part: the head slice's offset in a remote row (HeadSplit)
+	rows            int       // HeadSplit: token rows per block, one run each
 	loc, rem        []int     // P > 1: the task's local and trimmed remote blocks, one run each
 	runs            []BlockRun
 	grouped         bool // P == 1: runs holds the runs
@@ -85,14 +89,46 @@ func (r *Reads) Build(layout CacheLayout, t Task, local, remote Caches) error {
 	if t.LayerStart < 0 || t.LayerEnd < t.LayerStart {
 		return fmt.Errorf("ops: task layers [%d, %d) invalid", t.LayerStart, t.LayerEnd)
 	}
+	if t.LocalLayerBase < 0 || t.LocalLayerBase > t.LayerStart || t.RemoteLayerSkip < 0 || t.RemoteLayers < 0 {
+		return fmt.Errorf("ops: task layers [%d, %d) with local base %d, remote skip %d of %d layers invalid", t.LayerStart, t.LayerEnd, t.LocalLayerBase, t.RemoteLayerSkip, t.RemoteLayers)
+	}
 	cpl := layout.CachesPerLayer
-	first, end := t.LayerStart*cpl, t.LayerEnd*cpl
+	first, end := (t.LayerStart-t.LocalLayerBase)*cpl, (t.LayerEnd-t.LocalLayerBase)*cpl
 	if end > len(local.Base) {
 		return fmt.Errorf("ops: layers [%d, %d) need local tensors up to %d, have %d", t.LayerStart, t.LayerEnd, end, len(local.Base))
 	}
 	lbase := local.Base[first:end]
-	if len(remote.Base) != len(lbase) {
-		return fmt.Errorf("ops: %d local tensors for layers [%d, %d), remote has %d", len(lbase), t.LayerStart, t.LayerEnd, len(remote.Base))
+	rfirst, rwant := t.RemoteLayerSkip*cpl, len(lbase)
+	if t.RemoteLayers > 0 {
+		rwant = t.RemoteLayers * cpl
+		if rfirst+len(lbase) > rwant {
+			return fmt.Errorf("ops: task layers [%d, %d) skip %d of the remote stage's %d layers: past its end", t.LayerStart, t.LayerEnd, t.RemoteLayerSkip, t.RemoteLayers)
+		}
+	} else if rfirst != 0 {
+		return fmt.Errorf("ops: remote layer skip %d without the remote stage's layer count", t.RemoteLayerSkip)
+	}
+	if len(remote.Base) != rwant {
+		if t.RemoteLayers == 0 {
+			return fmt.Errorf("ops: %d local tensors for layers [%d, %d), remote has %d", len(lbase), t.LayerStart, t.LayerEnd, len(remote.Base))
+		}
+		return fmt.Errorf("ops: remote stage of %d layers needs %d tensors, remote has %d", t.RemoteLayers, rwant, len(remote.Base))
+	}
+	split := max(1, t.HeadSplit)
+	if split > 1 {
+		if t.P != 1 {
+			return fmt.Errorf("ops: head split %d with tp_num_need_pulls %d", t.HeadSplit, t.P)
+		}
+		if t.HeadSlice < 0 || t.HeadSlice >= split {
+			return fmt.Errorf("ops: task.head_slice %d outside [0, head split %d)", t.HeadSlice, split)
+		}
+		if layout.BlockSize < 1 {
+			return fmt.Errorf("ops: head split %d needs layout.block_size, got %d", split, layout.BlockSize)
+		}
+		for q, b := range layout.BlockLen {
+			if b%uint64(layout.BlockSize) != 0 {
+				return fmt.Errorf("ops: part %d: block_len %d not block_size %d rows", q, b, layout.BlockSize)
+			}
+		}
 	}
 	loc, rem := t.LocalBlockIDs, t.RemoteBlockIDs[nr-nl:]
 	rem = rem[:len(loc)]
@@ -118,17 +154,29 @@ func (r *Reads) Build(layout CacheLayout, t Task, local, remote Caches) error {
 			return fmt.Errorf("ops: block_len %d not divisible by tp_num_need_pulls %d", b, t.P)
 		}
 	}
-	r.local, r.remote = lbase, remote.Base[:len(lbase)]
+	r.local, r.remote = lbase, remote.Base[rfirst:rfirst+len(lbase)]
 	r.parts = len(layout.BlockLen)
 	for q, b := range layout.BlockLen {
 		r.blockLen[q], r.inner[q] = b, b/p
+		r.localStride[q], r.remoteStride[q] = b, b/p
 	}
 	r.slot, r.p = uint64(t.HeadSlot), p
 	for q := range r.parts {
 		r.slotOff[q] = r.slot * r.inner[q]
 	}
 	r.nblocks = nl
-	if t.P > 1 {
+	if split > 1 {
+		// One op per token row: local rows are contiguous, remote rows
+		// are split times longer and the task reads slice HeadSlice of
+		// each.
+		bs := layout.BlockSize
+		for q, b := range layout.BlockLen {
+			row := b / uint64(bs)
+			r.inner[q], r.localStride[q] = row, row
+			r.remoteStride[q], r.remoteOff[q] = row*uint64(split), uint64(t.HeadSlice)*row
+		}
+		r.loc, r.rem, r.rows, r.nruns = loc, rem, bs, nl*bs
+	} else if t.P > 1 {
 		r.loc, r.rem, r.nruns = loc, rem, nl
 	} else {
 		// The writes go through r.runs[i] (never append to r.runs) so
@@ -149,9 +197,14 @@ func (r *Reads) Build(layout CacheLayout, t Task, local, remote Caches) error {
 	}
 	// Every tensor reads every block once, L/P bytes each: tensors of part
 	// q are k = q, q+parts, ... below len(lbase).
+	// (With HeadSplit, inner is a row and every block bs rows.)
+	units := uint64(nl)
+	if r.rows > 0 {
+		units *= uint64(r.rows)
+	}
 	for q := range r.parts {
 		if n := len(lbase) - q; n > 0 {
-			r.bytes += r.inner[q] * uint64(nl) * uint64((n+r.parts-1)/r.parts)
+			r.bytes += r.inner[q] * units * uint64((n+r.parts-1)/r.parts)
 		}
 	}
 	return nil
@@ -166,8 +219,8 @@ func (r *Reads) Reset() {
 	r.local, r.remote, r.loc, r.rem = nil, nil, nil, nil
 	r.blockLen, r.inner = [3]uint64{}, [3]uint64{}
 	r.parts, r.slot, r.p, r.grouped = 0, 0, 0, false
-	r.slotOff = [3]uint64{}
-	r.nruns, r.nblocks, r.bytes = 0, 0, 0
+	r.slotOff, r.localStride, r.remoteStride, r.remoteOff = [3]uint64{}, [3]uint64{}, [3]uint64{}, [3]uint64{}
+	r.rows, r.nruns, r.nblocks, r.bytes = 0, 0, 0, 0
 }
 
 // Len is the number of ops (OpCount).
@@ -199,8 +252,8 @@ func (r *Reads) Parts() int { return r.parts }
 // Tensor is tensor k's part, 0 <= k < Tensors().
 func (r *Reads) Tensor(k int) TensorReads {
 	q := k % r.parts
-	in := r.inner[q]
-	return TensorReads{Local: r.local[k] + r.slotOff[q], Remote: r.remote[k], LocalStride: r.blockLen[q], RemoteStride: in, Len: in}
+	return TensorReads{Local: r.local[k] + r.slotOff[q], Remote: r.remote[k] + r.remoteOff[q],
+		LocalStride: r.localStride[q], RemoteStride: r.remoteStride[q], Len: r.inner[q]}
 }
 
 // Interleave fuses the head transpose of a P > 1 task into its reads. The
@@ -259,6 +312,10 @@ func (r *Reads) Run(j int) BlockRun {
 	if r.grouped {
 		return r.runs[j]
 	}
+	if r.rows > 0 {
+		b, row := j/r.rows, j%r.rows
+		return BlockRun{Local: r.loc[b]*r.rows + row, Remote: r.rem[b]*r.rows + row, Blocks: 1}
+	}
 	return BlockRun{Local: r.loc[j], Remote: r.rem[j], Blocks: 1}
 }
 
@@ -297,6 +354,12 @@ func (r *Reads) AppendTo(dst []Op) []Op {
 		if r.grouped {
 			for j, run := range r.runs[:len(o)] {
 				o[j] = tr.Op(run)
+			}
+			continue
+		}
+		if r.rows > 0 {
+			for j := range o {
+				o[j] = tr.Op(r.Run(j))
 			}
 			continue
 		}

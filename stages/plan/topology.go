@@ -3,6 +3,7 @@ package plan
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 )
 
@@ -47,10 +48,21 @@ type Model struct {
 // PPLayerPartition is the prefill instance's VLLM_PP_LAYER_PARTITION
 // ("" when unset): comma-separated layer counts per prefill PP stage. It is a
 // value here; nothing in this package reads the environment.
+// DecodePPLayerPartition is the same for the decode instance (kvflow only:
+// the seed has no decode PP).
 type Topology struct {
-	Prefill, Decode  Parallel
-	Model            Model
-	PPLayerPartition string
+	Prefill, Decode        Parallel
+	Model                  Model
+	PPLayerPartition       string
+	DecodePPLayerPartition string
+}
+
+// NeedsKvflowPeer reports whether the topology is one the seed cannot
+// serve: decode TP larger than prefill TP, or decode PP > 1. Both sides
+// must then be kvflow (the prefill side must count the DONEs this package
+// plans); a seed peer is refused.
+func (t Topology) NeedsKvflowPeer() bool {
+	return t.Decode.TP > t.Prefill.TP || t.Decode.PP > 1
 }
 
 // Rank is one worker's position in its instance. DCP is informational (the
@@ -120,8 +132,15 @@ func NeedPulls(m Model, prefillTP, decodeTP int) int {
 	return d / p
 }
 
-// NeedPulls is tp_num_need_pulls for this topology (P in the package docs).
-func (t Topology) NeedPulls() int { return NeedPulls(t.Model, t.Prefill.TP, t.Decode.TP) }
+// NeedPulls is tp_num_need_pulls for this topology (P in the package docs);
+// 1 when decode TP > prefill TP (kvflow only: each decode rank reads one
+// prefill rank, where the seed's formula gives 0).
+func (t Topology) NeedPulls() int {
+	if t.Decode.TP > t.Prefill.TP {
+		return 1
+	}
+	return NeedPulls(t.Model, t.Prefill.TP, t.Decode.TP)
+}
 
 // SideChannelPort is the seed's side_channel_port: kv_port + dp_rank*tp*pp*pcp,
 // the base handshake port of a DP replica.
@@ -199,18 +218,42 @@ func (t Topology) Validate() error {
 		// GQA head count for tp_num_need_pulls, and indexes out of range.
 		add(errors.New("model: sparse (3-part) KV cache without MLA (is_deepseek_mla=false) is not supported"))
 	}
-	if t.Decode.PP > 1 {
-		add(fmt.Errorf("decode.pp_size: must be 1, got %d", t.Decode.PP))
-	}
 	ptp, dtp := t.Prefill.TP, t.Decode.TP
-	sizesOK := ptp >= 1 && dtp >= 1 && t.Prefill.PP >= 1 && m.NumKVHeads >= 1 && m.NumLayers >= 1
+	sizesOK := ptp >= 1 && dtp >= 1 && t.Prefill.PP >= 1 && t.Decode.PP >= 1 && m.NumKVHeads >= 1 && m.NumLayers >= 1
 	if !sizesOK {
 		return errors.Join(errs...)
 	}
-	if ptp < dtp {
-		add(fmt.Errorf("prefill.tp_size: %d must be greater than or equal to decode.tp_size %d", ptp, dtp))
-	} else if ptp%dtp != 0 {
+	cp := t.Prefill.pcp()*t.Prefill.dcp()*t.Decode.pcp()*t.Decode.dcp() > 1
+	switch {
+	case ptp < dtp:
+		// kvflow only: each decode rank reads a head slice (GQA) or the
+		// whole latent (MLA) of one prefill rank.
+		if cp {
+			add(fmt.Errorf("decode.tp_size: %d > prefill.tp_size %d with context parallelism (pcp/dcp > 1) is not supported", dtp, ptp))
+		}
+		if !m.MLA && dtp%ptp != 0 {
+			add(fmt.Errorf("decode.tp_size: %d is not a multiple of prefill.tp_size %d: a decode rank's heads would span two prefill ranks", dtp, ptp))
+		}
+	case ptp%dtp != 0:
 		add(fmt.Errorf("decode.tp_size: %d does not divide prefill.tp_size %d", dtp, ptp))
+	}
+	if t.Decode.PP > 1 {
+		// kvflow only: each decode stage pulls its own layers.
+		if m.NumLayers < t.Decode.PP {
+			add(fmt.Errorf("model.num_hidden_layers: %d layers for decode.pp_size %d stages", m.NumLayers, t.Decode.PP))
+		}
+		if cp {
+			add(fmt.Errorf("decode.pp_size: %d with context parallelism (pcp/dcp > 1) is not supported", t.Decode.PP))
+		}
+		if parts, err := parsePartitionFor("decode_pp_layer_partition", "decode.pp_size", t.DecodePPLayerPartition, m.NumLayers, t.Decode.PP); err != nil {
+			add(err)
+		} else if i := slices.Index(parts, 0); i >= 0 {
+			add(fmt.Errorf("decode_pp_layer_partition: decode stage %d has no layers in %q", i, t.DecodePPLayerPartition))
+		}
+	} else if t.DecodePPLayerPartition != "" {
+		if _, err := parsePartitionFor("decode_pp_layer_partition", "decode.pp_size", t.DecodePPLayerPartition, m.NumLayers, t.Decode.PP); err != nil {
+			add(err)
+		}
 	}
 	if !m.MLA {
 		h := m.NumKVHeads
@@ -229,12 +272,13 @@ func (t Topology) Validate() error {
 	if _, err := parsePartition(t.PPLayerPartition, m.NumLayers, t.Prefill.PP); err != nil {
 		add(err)
 	}
-	cp := t.Prefill.pcp()*t.Prefill.dcp()*t.Decode.pcp()*t.Decode.dcp() > 1
 	if cp && t.Prefill.PP > 1 {
 		add(fmt.Errorf("prefill.pp_size: %d with context parallelism (pcp/dcp > 1) is not supported", t.Prefill.PP))
 	}
-	if err := t.validateGroups(); err != nil {
-		add(err)
+	if ptp >= dtp {
+		if err := t.validateGroups(); err != nil {
+			add(err)
+		}
 	}
 	switch t.Mode() {
 	case ModePointToPoint:

@@ -25,6 +25,23 @@
 // The decision is per job, before any task runs: every slice of a block
 // must land the same way. Options.NoFuse keeps the seed's way.
 //
+// Head slices (decode TP > prefill TP, kvflow ↔ kvflow only): a task with
+// plan.Task.HeadSplit > 1 needs one slice of every token row of the remote
+// blocks. The stage builds it as one op per row (Options.BlockSize rows
+// per block; plan.Reads), so only the needed bytes cross the wire and
+// land in place. Reading whole blocks into scratch memory and slicing
+// locally moves HeadSplit times the bytes but far fewer ops; on the TCP
+// engine over loopback that is faster (bench.BenchmarkHeadSlice, figures
+// in bench/RESULTS.md), while on RDMA, where an op costs a descriptor,
+// the row reads win; see RESULTS.md for why the row reads are kept. Row
+// reads are block_size times as many ops as block reads, so a long
+// head-split task is posted a few layers at a time (at most 64Ki ops per
+// batch; the same ops in the same order, the task still one unit).
+// A kvflow-only plan (plan.Plan.KvflowOnly) is refused with
+// ErrPeerNotKvflow, before any read, when the remote rank's metadata has
+// no kvflow boot epoch: a seed or Mooncake peer would not wait for the
+// DONEs such a topology sends it.
+//
 // A per-session limit (the remote prefill rank's transfer-engine endpoint)
 // bounds how many batches run against one peer, so one slow prefill rank
 // cannot take every worker: jobs for other peers keep moving.

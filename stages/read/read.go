@@ -66,6 +66,13 @@ type StridedTransfer interface {
 // ErrShortfall marks a batch whose ledger shows fewer bytes than posted.
 var ErrShortfall = errors.New("read: byte ledger shortfall")
 
+// ErrPeerNotKvflow marks a task of a kvflow-only plan (decode TP > prefill
+// TP, or decode PP > 1: plan.Plan.KvflowOnly) whose remote rank's
+// metadata carries no kvflow extension (no boot epoch): a seed or Mooncake
+// peer, which would not wait for this topology's DONEs (it frees on the
+// first, or never). The task is refused before any read.
+var ErrPeerNotKvflow = errors.New("read: peer is not kvflow and cannot serve this topology")
+
 // Invalidator drops cached metadata of task i of j (the handshake cache).
 type Invalidator func(j *job.Job, task int)
 
@@ -156,6 +163,10 @@ func New(t Transfer, opts Options) (*Stage, error) {
 	}
 	if opts.SmallBatch == 0 {
 		opts.SmallBatch = 4 << 20
+	}
+	if opts.Layout.BlockSize == 0 {
+		// Head-split tasks (decode TP > prefill TP) read token rows.
+		opts.Layout.BlockSize = opts.BlockSize
 	}
 	if opts.RefetchTimeout <= 0 {
 		opts.RefetchTimeout = 500 * time.Millisecond
@@ -330,6 +341,9 @@ func (s *Stage) attempt(ctx context.Context, j *job.Job, i int) (err, batchErr e
 	if err := bootedAfter(m, j.Submitted); err != nil {
 		return fmt.Errorf("read task %d (rank %d): %w", i, t.RemoteRank, err), nil
 	}
+	if j.Plan.KvflowOnly && m.BootEpoch == 0 {
+		return fmt.Errorf("read task %d (rank %d, engine %q): %w (decode tp > prefill tp or decode pp > 1 needs a kvflow prefill instance)", i, t.RemoteRank, m.EngineID, ErrPeerNotKvflow), nil
+	}
 	rd := readsPool.Get().(*plan.Reads)
 	defer func() {
 		rd.Reset() // drop the references to the job's lists
@@ -364,7 +378,22 @@ func (s *Stage) attempt(ctx context.Context, j *job.Job, i int) (err, batchErr e
 		}
 		defer func() { <-sem }()
 	}
-	if err := s.batch(ctx, session, rd, j.Stitched); err != nil {
+	if chunks := headSliceChunks(t, nops); len(chunks) > 1 {
+		// A head-split task reads one op per token row: posted whole, a
+		// long request's op list would take tens of MiB. Read it a few
+		// layers at a time (the same ops, in order; the task still
+		// succeeds or fails as one).
+		remote := plan.Caches{Base: m.BaseAddrs, NumBlocks: m.NumBlocks}
+		for _, c := range chunks {
+			if err := rd.Build(s.opts.Layout, c, s.opts.Local, remote); err != nil {
+				return fmt.Errorf("read task %d (rank %d) layers [%d, %d): %w", i, t.RemoteRank, c.LayerStart, c.LayerEnd, err), nil
+			}
+			if err := s.batch(ctx, session, rd, false); err != nil {
+				s.failures.Inc()
+				return fmt.Errorf("read task %d (rank %d) session %s, layers [%d, %d), %d ops: %w", i, t.RemoteRank, session, c.LayerStart, c.LayerEnd, rd.Len(), err), err
+			}
+		}
+	} else if err := s.batch(ctx, session, rd, j.Stitched); err != nil {
 		s.failures.Inc()
 		return fmt.Errorf("read task %d (rank %d) session %s, %d ops: %w", i, t.RemoteRank, session, nops, err), err
 	}
@@ -373,6 +402,34 @@ func (s *Stage) attempt(ctx context.Context, j *job.Job, i int) (err, batchErr e
 	s.bytes.Add(float64(n))
 	s.ops.Add(float64(nops))
 	return nil, nil
+}
+
+// maxHeadSliceOps bounds the ops of one batch of a head-split task: 64Ki
+// ops (1.5 MiB of engine ops) is what a P = 4 seed task of 64 layers and
+// 128 blocks posts at once, while the same request read as head slices is
+// block_size (128) times as many.
+const maxHeadSliceOps = 1 << 16
+
+// headSliceChunks splits head-split task t, whose reads are nops ops, into
+// layer ranges of at most maxHeadSliceOps ops each (at least one layer
+// each); any other task, or one small enough, is returned whole.
+func headSliceChunks(t plan.Task, nops int) []plan.Task {
+	layers := t.LayerEnd - t.LayerStart
+	if t.HeadSplit <= 1 || nops <= maxHeadSliceOps || layers < 2 {
+		return []plan.Task{t}
+	}
+	per := max(1, maxHeadSliceOps/(nops/layers))
+	if t.RemoteLayers == 0 {
+		t.RemoteLayers = layers // the task covers its remote stage
+	}
+	var out []plan.Task
+	for lo := t.LayerStart; lo < t.LayerEnd; lo += per {
+		c := t
+		c.LayerStart, c.LayerEnd = lo, min(lo+per, t.LayerEnd)
+		c.RemoteLayerSkip = t.RemoteLayerSkip + lo - t.LayerStart
+		out = append(out, c)
+	}
+	return out
 }
 
 // batch runs rd's ops, handing the compact form to a ReadsTransfer (which

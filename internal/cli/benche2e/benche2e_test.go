@@ -104,13 +104,20 @@ func TestSampleIdx(t *testing.T) {
 }
 
 // TestTinyRun drives a small stitched workload (TP 2 → 1) through both
-// modes and checks every byte.
+// modes and checks every byte; and the same with decode TP above prefill
+// TP (2 → 4: head slices, kvflow ↔ kvflow).
 func TestTinyRun(t *testing.T) {
+	for _, tp := range [][2]string{{"2", "1"}, {"2", "4"}} {
+		t.Run(tp[0]+"-to-"+tp[1], func(t *testing.T) { tinyRun(t, tp[0], tp[1]) })
+	}
+}
+
+func tinyRun(t *testing.T, ptp, dtp string) {
 	var out, errb bytes.Buffer
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	err := Run(ctx, []string{"--in-process", "--workload", "small", "--requests", "6", "--blocks", "3", "--layers", "2",
-		"--prefill-tp", "2", "--decode-tp", "1", "--verify", "-1", "--raw-mib", "1", "--rounds", "1", "--json"}, &out, &errb)
+		"--prefill-tp", ptp, "--decode-tp", dtp, "--verify", "-1", "--raw-mib", "1", "--rounds", "1", "--json"}, &out, &errb)
 	if err != nil {
 		t.Fatalf("%v\nstderr: %s", err, errb.String())
 	}

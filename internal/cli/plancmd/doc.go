@@ -22,11 +22,18 @@
 // Block lists are "0,1,2", ranges "0-127" or both; "" is the empty list.
 //
 // Every decode rank of one DP replica is planned (device index
-// pcp_rank*decode_tp + tp_rank, dcp_rank = tp_rank % dcp_size), or only
+// (pp_rank+pcp_rank)*decode_tp + tp_rank, dcp_rank = tp_rank % dcp_size), or only
 // --decode-rank. Ops and bytes come from plan.Ops over the decode rank's and
 // the prefill stage's cache layouts (npu.NewLayout of config.Shape), addressed
 // from 0; block ids are checked against model.num_blocks on the side the
 // configuration describes (the other side's cache size is not in it).
+//
+// Kvflow-only topologies (decode tp > prefill tp, decode pp > 1; see
+// package plan) are marked as such, show each task's head slice (HEAD_SLICE
+// i/n: slice i of n of every token row) and end with the prefill ranks'
+// side: the decode ranks reading each prefill rank, the DONEs it waits for
+// (plan.PrefillExpectedDones) and the bytes it serves. Seed topologies print
+// exactly as before.
 //
 // # Contract
 //

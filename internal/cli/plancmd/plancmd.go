@@ -111,6 +111,22 @@ type report struct {
 	Ranks          []rankReport `json:"decode_ranks"`
 	Ops            int          `json:"ops"`
 	Bytes          uint64       `json:"bytes"`
+	// KvflowOnly: decode tp > prefill tp or decode pp > 1, which only a
+	// kvflow prefill instance serves; PrefillRanks then lists, per
+	// prefill rank, the reads it serves for this request.
+	KvflowOnly   bool            `json:"kvflow_only,omitempty"`
+	PrefillRanks []prefillReport `json:"prefill_ranks,omitempty"`
+}
+
+// prefillReport is one prefill rank's side of the request (kvflow-only
+// topologies): the decode ranks that read it, the DONEs it waits for
+// (plan.PrefillExpectedDones) and the bytes it serves.
+type prefillReport struct {
+	Rank          int    `json:"rank"` // tp + pp*prefill_tp
+	HandshakePort int    `json:"handshake_port"`
+	Readers       []int  `json:"decode_readers"` // decode device indexes
+	ExpectedDones int    `json:"expected_dones"`
+	Bytes         uint64 `json:"bytes"`
 }
 
 type parallel struct {
@@ -131,8 +147,9 @@ type model struct {
 }
 
 type rankReport struct {
-	Index          int          `json:"index"` // pcp_rank*decode_tp + tp_rank
+	Index          int          `json:"index"` // (pp_rank+pcp_rank)*decode_tp + tp_rank
 	TP             int          `json:"tp_rank"`
+	PP             int          `json:"pp_rank,omitempty"`
 	PCP            int          `json:"pcp_rank"`
 	DCP            int          `json:"dcp_rank"`
 	RemoteRanks    []int        `json:"remote_ranks"`
@@ -157,6 +174,8 @@ type taskReport struct {
 	Bytes          uint64 `json:"bytes"`
 	Last           bool   `json:"last"`
 	Stitch         bool   `json:"stitch"`
+	HeadSplit      int    `json:"head_split,omitempty"` // > 1: reads slice HeadSlice of each token row
+	HeadSlice      int    `json:"head_slice,omitempty"`
 }
 
 // build is the pure core of the command: configuration and options in,
@@ -215,23 +234,29 @@ func build(cfg config.Config, o options) (*report, error) {
 		errs = append(errs, fmt.Errorf("--remote-dcp: negative (%d)", o.remoteDCP))
 	}
 	topo := cfg.Topology()
-	dtp, dpcp, ddcp := topo.Decode.TP, max(1, topo.Decode.PCP), max(1, topo.Decode.DCP)
-	if o.decodeRank < -1 || o.decodeRank >= dtp*dpcp {
-		errs = append(errs, fmt.Errorf("--decode-rank: %d outside [0, %d) (decode tp_size %d x pcp_size %d)", o.decodeRank, dtp*dpcp, dtp, dpcp))
+	dtp, dpcp, ddcp, dpp := topo.Decode.TP, max(1, topo.Decode.PCP), max(1, topo.Decode.DCP), max(1, topo.Decode.PP)
+	if o.decodeRank < -1 || o.decodeRank >= dtp*dpcp*dpp {
+		errs = append(errs, fmt.Errorf("--decode-rank: %d outside [0, %d) (decode tp_size %d x pcp_size %d x pp_size %d)", o.decodeRank, dtp*dpcp*dpp, dtp, dpcp, dpp))
 	}
 	if len(errs) > 0 {
 		return nil, &clierr.UsageError{Err: errors.Join(errs...)}
 	}
 
-	local, err := decodeCaches(cfg, !prefillCfg)
-	if err != nil {
-		return nil, clierr.Usagef("decode cache layout: %w", err)
+	locals := make([]localCaches, dpp) // by decode PP stage
+	for pp := range locals {
+		var err error
+		if locals[pp], err = decodeCaches(cfg, pp, !prefillCfg); err != nil {
+			return nil, clierr.Usagef("decode pp stage %d cache layout: %w", pp, err)
+		}
 	}
-	layout := plan.CacheLayout{CachesPerLayer: local.layout.NumParts()}
+	local := locals[0]
+	layout := plan.CacheLayout{CachesPerLayer: local.layout.NumParts(), BlockSize: cfg.Model.BlockSize}
 	for _, l := range local.layout.BlockLens() {
 		layout.BlockLen = append(layout.BlockLen, uint64(l))
 	}
 	remoteCaches := map[int]plan.Caches{} // by prefill PP stage
+	kvflowOnly := topo.NeedsKvflowPeer()
+	served := map[int]*prefillReport{} // by prefill rank
 
 	req := plan.Request{
 		ID:             o.requestID,
@@ -256,24 +281,27 @@ func build(cfg config.Config, o options) (*report, error) {
 		Decode:         toParallel(topo.Decode),
 		Model:          toModel(cfg, local.layout),
 		Ranks:          []rankReport{},
+		KvflowOnly:     kvflowOnly,
 	}
 	dp := 0
 	if !prefillCfg {
 		dp = cfg.Rank.DP
 	}
-	for pcp := range dpcp {
-		for tp := range dtp {
-			idx := pcp*dtp + tp
+	for rank := range dtp * dpcp * dpp {
+		tp, pcp, pp := rank%dtp, rank/dtp%dpcp, rank/dtp/dpcp
+		{
+			self := plan.Rank{TP: tp, PP: pp, PCP: pcp, DCP: tp % ddcp, DP: dp}
+			idx := plan.DeviceIndex(topo.Decode, self)
 			if o.decodeRank >= 0 && idx != o.decodeRank {
 				continue
 			}
-			self := plan.Rank{TP: tp, PCP: pcp, DCP: tp % ddcp, DP: dp}
+			local := locals[pp]
 			p, err := plan.PlanRequest(topo, self, req)
 			if err != nil {
-				return nil, &clierr.UsageError{Err: renameFields(fmt.Errorf("decode rank %d (tp %d, pcp %d): %w", idx, tp, pcp, err))}
+				return nil, &clierr.UsageError{Err: renameFields(fmt.Errorf("decode rank %d (tp %d, pp %d, pcp %d): %w", idx, tp, pp, pcp, err))}
 			}
 			rep.Mode, rep.P, rep.Stitch = modeName(p.Mode), p.P, p.Stitch
-			rr := rankReport{Index: idx, TP: tp, PCP: pcp, DCP: self.DCP, RemoteRanks: []int{}, HandshakePorts: []int{}, Tasks: []taskReport{}}
+			rr := rankReport{Index: idx, TP: tp, PP: pp, PCP: pcp, DCP: self.DCP, RemoteRanks: []int{}, HandshakePorts: []int{}, Tasks: []taskReport{}}
 			for _, t := range p.Tasks {
 				rc, ok := remoteCaches[t.PPStage]
 				if !ok {
@@ -302,13 +330,42 @@ func build(cfg config.Config, o options) (*report, error) {
 					LayerStart: t.LayerStart, LayerEnd: t.LayerEnd,
 					LocalBlockIDs: nonNil(t.LocalBlockIDs), RemoteBlockIDs: nonNil(t.RemoteBlockIDs),
 					Ops: len(ops), Bytes: bytes, Last: t.Last, Stitch: t.Stitch,
+					HeadSplit: t.HeadSplit, HeadSlice: t.HeadSlice,
 				})
+				if kvflowOnly {
+					pr := served[t.RemoteRank]
+					if pr == nil {
+						pr = &prefillReport{Rank: t.RemoteRank, HandshakePort: t.HandshakePort, Readers: []int{}}
+						served[t.RemoteRank] = pr
+					}
+					if !slices.Contains(pr.Readers, idx) {
+						pr.Readers = append(pr.Readers, idx)
+					}
+					pr.Bytes += bytes
+				}
 				rr.Ops += len(ops)
 				rr.Bytes += bytes
 			}
 			rep.Ops += rr.Ops
 			rep.Bytes += rr.Bytes
 			rep.Ranks = append(rep.Ranks, rr)
+		}
+	}
+	if kvflowOnly {
+		// Every prefill rank, with the DONEs its tracker will wait for
+		// (computed as the prefill side does, over all decode ranks).
+		ptp := topo.Prefill.TP
+		for r := range ptp * topo.Prefill.PP {
+			pr := served[r]
+			if pr == nil {
+				pr = &prefillReport{Rank: r, HandshakePort: port + r, Readers: []int{}}
+			}
+			n, err := plan.PrefillExpectedDones(topo, plan.Rank{TP: r % ptp, PP: r / ptp}, req.ID, len(req.LocalBlockIDs))
+			if err != nil {
+				return nil, clierr.Usagef("prefill rank %d: %w", r, err)
+			}
+			pr.ExpectedDones = n
+			rep.PrefillRanks = append(rep.PrefillRanks, *pr)
 		}
 	}
 	return rep, nil
@@ -319,13 +376,13 @@ type localCaches struct {
 	caches plan.Caches
 }
 
-// decodeCaches is a decode rank's layout and caches, addressed from 0 (the
+// decodeCaches is a decode rank's layout and caches (PP stage pp's layers), addressed from 0 (the
 // plan reports counts and bytes, not addresses). Block ids are checked
 // against model.num_blocks only when the configuration is the decode
 // instance's (checkBlocks).
-func decodeCaches(cfg config.Config, checkBlocks bool) (localCaches, error) {
+func decodeCaches(cfg config.Config, pp int, checkBlocks bool) (localCaches, error) {
 	cfg.KVTransfer.KVRole = config.KVConsumer
-	cfg.Rank = config.Rank{}
+	cfg.Rank = config.Rank{PP: pp}
 	s, err := cfg.Shape()
 	if err != nil {
 		return localCaches{}, err

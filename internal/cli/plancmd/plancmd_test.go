@@ -47,6 +47,12 @@ func TestRunGolden(t *testing.T) {
 		{"sparse", with(small, append([]string{"--mla", "--sparse", "--kv-lora-rank", "512", "--qk-rope-head-dim", "64", "--indexer-dim", "128", "--prefill-tp", "2", "--decode-tp", "1"}, req...)...)},
 		{"split-pcp", with(small, append([]string{"--prefill-pcp", "2", "--prefill-tp", "2", "--decode-tp", "2"}, req...)...)},
 		{"split-dcp-json", with(small, append([]string{"--prefill-dcp", "2", "--prefill-tp", "2", "--decode-tp", "2", "--json"}, req...)...)},
+		{"kvflow-tp1-tp2", with(small, append([]string{"--prefill-tp", "1", "--decode-tp", "2"}, req...)...)},
+		{"kvflow-tp2-tp4", with(small, append([]string{"--prefill-tp", "2", "--decode-tp", "4"}, req...)...)},
+		{"kvflow-tp2-tp8-replicated", with(small, append([]string{"--prefill-tp", "2", "--decode-tp", "8"}, req...)...)},
+		{"kvflow-mla-tp1-tp4", with(small, append([]string{"--mla", "--kv-lora-rank", "512", "--qk-rope-head-dim", "64", "--prefill-tp", "1", "--decode-tp", "4"}, req...)...)},
+		{"kvflow-decode-pp2", with(small, append([]string{"--prefill-tp", "1", "--decode-tp", "1", "--decode-pp", "2"}, req...)...)},
+		{"kvflow-decode-pp2-prefill-pp2-json", with(small, append([]string{"--prefill-tp", "2", "--decode-tp", "1", "--prefill-pp", "2", "--pp-layer-partition", "3,1", "--decode-pp", "2", "--json"}, req...)...)},
 		{"point-to-point", with(small, append([]string{"--prefill-pcp", "2", "--decode-pcp", "2", "--prefill-tp", "2", "--decode-tp", "2"}, req...)...)},
 	}
 	for _, tt := range tests {
@@ -74,7 +80,9 @@ func TestRunErrors(t *testing.T) {
 		{"negative-remote-block", with(decode, "--request-id", "r", "--local-blocks", "0", "--remote-blocks", "-3", "--remote-port", "20001"), []string{"-remote-blocks", "negative"}},
 		{"local-more-than-remote", with(decode, "--request-id", "r", "--local-blocks", "0-3", "--remote-blocks", "1,2", "--remote-port", "20001"), []string{"--local-blocks: 4 blocks", "--remote-blocks"}},
 		{"non-dividing-tp", with(decode, "--request-id", "r", "--local-blocks", "0", "--remote-port", "20001", "--prefill-tp", "3"), []string{"invalid configuration", "decode.tp_size: 2 does not divide", "prefill.tp_size: 3"}},
-		{"decode-tp-above-prefill", with(decode, "--request-id", "r", "--local-blocks", "0", "--remote-port", "20001", "--decode-tp", "8"), []string{"decode.tp_size"}},
+		{"decode-tp-not-multiple", with(decode, "--request-id", "r", "--local-blocks", "0", "--remote-port", "20001", "--decode-tp", "6"), []string{"decode.tp_size: 6 is not a multiple of", "prefill.tp_size 4"}},
+		{"decode-tp-above-prefill-cp", with(decode, "--request-id", "r", "--local-blocks", "0", "--remote-port", "20001", "--decode-tp", "8", "--decode-dcp", "2", "--prefill-dcp", "2"), []string{"decode.tp_size: 8 > ", "context parallelism"}},
+		{"decode-pp-partition", with(small, "--prefill-tp", "1", "--decode-tp", "1", "--decode-pp", "2", "--decode-pp-layer-partition", "4,0", "--request-id", "r", "--local-blocks", "0", "--remote-port", "20001"), []string{"model.decode_pp_layer_partition: decode stage 1 has no layers"}},
 		{"missing-everything", decode, []string{"--request-id: required", "--local-blocks: required", "--remote-port: required"}},
 		{"bad-remote-port", with(decode, "--request-id", "r", "--local-blocks", "0", "--remote-port", "70000"), []string{"--remote-port: 70000 outside 1..65535"}},
 		{"decode-rank-range", with(decode, "--request-id", "r", "--local-blocks", "0", "--remote-port", "20001", "--decode-rank", "2"), []string{"--decode-rank: 2 outside [0, 2)"}},

@@ -31,15 +31,42 @@ func writeTable(w io.Writer, rep *report) error {
 	fmt.Fprintf(tw, "mode\t%s, tp_num_need_pulls %d, stitch %s\n", rep.Mode, rep.P, yesNo(rep.Stitch))
 	fmt.Fprintf(tw, "total\t%d decode ranks, %d ops, %s\n", len(rep.Ranks), rep.Ops, humanBytes(rep.Bytes))
 	tw.Flush()
+	if rep.KvflowOnly {
+		fmt.Fprintf(ew, "kvflow-only topology: the prefill instance must be kvflow (a seed peer is refused)\n")
+	}
 	for _, r := range rep.Ranks {
-		fmt.Fprintf(ew, "\ndecode rank %d (tp %d, pcp %d, dcp %d): remote ranks %s, handshake ports %s, %d tasks, %d ops, %s\n",
-			r.Index, r.TP, r.PCP, r.DCP, ints(r.RemoteRanks), ints(r.HandshakePorts), len(r.Tasks), r.Ops, humanBytes(r.Bytes))
+		pp := ""
+		if rep.Decode.PP > 1 {
+			pp = fmt.Sprintf("pp %d, ", r.PP)
+		}
+		fmt.Fprintf(ew, "\ndecode rank %d (tp %d, %spcp %d, dcp %d): remote ranks %s, handshake ports %s, %d tasks, %d ops, %s\n",
+			r.Index, r.TP, pp, r.PCP, r.DCP, ints(r.RemoteRanks), ints(r.HandshakePorts), len(r.Tasks), r.Ops, humanBytes(r.Bytes))
 		tw := tabwriter.NewWriter(ew, 0, 0, 2, ' ', tabwriter.AlignRight)
-		fmt.Fprint(tw, "TASK\tREMOTE_RANK\tPORT\tPP\tLAYERS\tHEAD_SLOT\tLOCAL_BLOCKS\tREMOTE_BLOCKS\tOPS\tBYTES\tLAST\tSTITCH\t\n")
+		slice := ""
+		if rep.KvflowOnly {
+			slice = "HEAD_SLICE\t"
+		}
+		fmt.Fprint(tw, "TASK\tREMOTE_RANK\tPORT\tPP\tLAYERS\tHEAD_SLOT\t"+slice+"LOCAL_BLOCKS\tREMOTE_BLOCKS\tOPS\tBYTES\tLAST\tSTITCH\t\n")
 		for i, t := range r.Tasks {
-			fmt.Fprintf(tw, "%d\t%d\t%d\t%d\t%d-%d\t%d/%d\t%s\t%s\t%d\t%d\t%s\t%s\t\n",
-				i, t.RemoteRank, t.HandshakePort, t.PPStage, t.LayerStart, t.LayerEnd-1, t.HeadSlot, t.P,
+			sl := ""
+			if rep.KvflowOnly {
+				sl = "-\t"
+				if t.HeadSplit > 1 {
+					sl = fmt.Sprintf("%d/%d\t", t.HeadSlice, t.HeadSplit)
+				}
+			}
+			fmt.Fprintf(tw, "%d\t%d\t%d\t%d\t%d-%d\t%d/%d\t%s%s\t%s\t%d\t%d\t%s\t%s\t\n",
+				i, t.RemoteRank, t.HandshakePort, t.PPStage, t.LayerStart, t.LayerEnd-1, t.HeadSlot, t.P, sl,
 				formatBlocks(t.LocalBlockIDs), formatBlocks(t.RemoteBlockIDs), t.Ops, t.Bytes, yesNo(t.Last), yesNo(t.Stitch))
+		}
+		tw.Flush()
+	}
+	if len(rep.PrefillRanks) > 0 {
+		fmt.Fprintf(ew, "\nprefill ranks (reads served per request; the rank frees after EXPECTED_DONES)\n")
+		tw := tabwriter.NewWriter(ew, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprint(tw, "PREFILL_RANK\tPORT\tDECODE_READERS\tEXPECTED_DONES\tBYTES\t\n")
+		for _, p := range rep.PrefillRanks {
+			fmt.Fprintf(tw, "%d\t%d\t%s\t%d\t%d\t\n", p.Rank, p.HandshakePort, ints(p.Readers), p.ExpectedDones, p.Bytes)
 		}
 		tw.Flush()
 	}
