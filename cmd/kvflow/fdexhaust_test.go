@@ -53,6 +53,9 @@ func TestServeDataPortFDExhaustion(t *testing.T) {
 	cfg.Node.Control = "ipc://" + filepath.Join(dir, "p.sock")
 	cfg.Node.MetricsAddr = "127.0.0.1:0"
 	cfg.Cache.NoHugePages = true
+	// The peer reads raw cache memory without a send: grants off (this
+	// test is about descriptors, not about which blocks are served).
+	cfg.Read.Grants = config.GrantsOff
 	cfgPath := filepath.Join(dir, "p.json")
 	f, err := os.Create(cfgPath)
 	if err != nil {
