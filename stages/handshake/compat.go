@@ -129,21 +129,28 @@ func NewCompat(o CompatOptions) (*Compat, error) {
 // Expect is the fingerprint this decode worker expects from the remote
 // rank of task t: its own cache, with the layers of t's prefill PP stage,
 // and heads and block lengths divided by t.P (tp_num_need_pulls: the read
-// takes block_len/P bytes per remote block, as plan.Reads does).
+// takes block_len/P bytes per remote block, as plan.Reads does) or, for a
+// head-slice task (decode TP > prefill TP), multiplied by t.HeadSplit.
 // NumBlocks is the peer's own (the metadata's); Prefill and Decode are this
 // worker's topology.
 func (c *Compat) Expect(t plan.Task, numBlocks int) npu.Fingerprint {
 	l, o := c.o.Layout, c.o.Local
-	p := max(1, t.P)
+	// The remote block holds 1/P of ours (tp_num_need_pulls) or, when
+	// decode TP exceeds prefill TP, HeadSplit times ours (the read takes
+	// one head slice of every token row).
+	p, split := max(1, t.P), max(1, t.HeadSplit)
 	e := o
 	e.Layers = t.LayerEnd - t.LayerStart
+	if t.RemoteLayers > 0 { // decode PP: the task covers part of the stage
+		e.Layers = t.RemoteLayers
+	}
 	e.NumBlocks = numBlocks
 	e.BlockLens = make([]int, l.CachesPerLayer)
 	for k := range e.BlockLens {
-		e.BlockLens[k] = int(l.BlockLen[k%len(l.BlockLen)]) / p
+		e.BlockLens[k] = int(l.BlockLen[k%len(l.BlockLen)]) / p * split
 	}
 	if e.Kind == npu.GQA {
-		e.KVHeads = o.KVHeads / p
+		e.KVHeads = o.KVHeads / p * split
 	}
 	tp := c.o.Topology
 	e.Prefill = sizes(tp.Prefill)
