@@ -201,7 +201,7 @@ func NewClient(zctx *Context, opts ClientOptions) (*Client, error) {
 		zctx:        zctx,
 		opts:        opts,
 		curve:       curve,
-		log:         log.With("role", roleClient),
+		log:         log.With("side", roleClient),
 		m:           zctx.metrics,
 		peers:       map[string]*peer{},
 		janitorStop: make(chan struct{}),
