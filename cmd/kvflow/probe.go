@@ -7,6 +7,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"time"
 
 	"github.com/kvflow/kvflow/internal/config"
@@ -35,8 +36,22 @@ func runProbe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if *timeout < time.Millisecond {
 		return usagef("--timeout %v: must be at least 1ms", *timeout)
 	}
+	host, _, err := net.SplitHostPort(*remote)
+	if err != nil {
+		return usagef("--remote %q: want HOST:PORT: %v", *remote, err)
+	}
 	if err := auth.validate(); err != nil {
 		return err
+	}
+	// ZMQ resolves a name in the background and retries forever: an
+	// unresolvable host would read as "no reply". Name the DNS failure.
+	if net.ParseIP(host) == nil {
+		rctx, cancel := context.WithTimeout(ctx, *timeout)
+		_, err := net.DefaultResolver.LookupHost(rctx, host)
+		cancel()
+		if err != nil {
+			return fmt.Errorf("resolve %s: %w", host, err)
+		}
 	}
 	curve, err := auth.load()
 	if err != nil {
@@ -69,6 +84,7 @@ func runProbe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		"num_blocks": m.NumBlocks, "kv_caches_base_addr": m.KVCachesBaseAddr,
 		"boot_epoch": m.Ext.BootEpoch, "get_meta_rtt_us": rtt.Microseconds(),
 	}
+	var doneRTT time.Duration
 	if *done != "" {
 		t1 := time.Now()
 		if err := c.SendDone(ctx, *remote, *done); err != nil {
@@ -76,7 +92,8 @@ func runProbe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 		out["done_request_id"] = *done
 		out["ack"] = true
-		out["done_rtt_us"] = time.Since(t1).Microseconds()
+		doneRTT = time.Since(t1)
+		out["done_rtt_us"] = doneRTT.Microseconds()
 	}
 	if *asJSON {
 		enc := json.NewEncoder(stdout)
@@ -86,7 +103,7 @@ func runProbe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fmt.Fprintf(stdout, "remote       %s\nengine_id    %s\nte_rpc_port  %d\nnum_blocks   %d\ncaches       %d base addresses (first %#x)\nboot_epoch   %d\nget_meta     %v\n",
 		*remote, m.EngineID, m.TERPCPort, m.NumBlocks, len(m.KVCachesBaseAddr), first(m.KVCachesBaseAddr), m.Ext.BootEpoch, rtt)
 	if *done != "" {
-		fmt.Fprintf(stdout, "done         %q acked in %v\n", *done, out["done_rtt_us"].(int64))
+		fmt.Fprintf(stdout, "done         %q acked in %v\n", *done, doneRTT)
 	}
 	return nil
 }
