@@ -284,3 +284,58 @@ func TestServePortInUse(t *testing.T) {
 		t.Fatalf("exit %d: %s", code, errOut)
 	}
 }
+
+// The exit codes the README's table documents: 0 success, 1 a runtime
+// failure, 2 the command line or the configuration (a port in use
+// included: the same command cannot succeed until the operator acts).
+func TestExitCodes(t *testing.T) {
+	busy, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer busy.Close()
+	busyAddr := busy.Addr().String()
+	busyPort := fmt.Sprint(busy.Addr().(*net.TCPAddr).Port)
+	closed, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closedAddr := closed.Addr().String()
+	closed.Close()
+	dir := t.TempDir()
+	free, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	freePort := fmt.Sprint(free.Addr().(*net.TCPAddr).Port)
+	free.Close()
+	// A prefill worker of the example with its per-machine names moved
+	// into the test's directory and free ports.
+	prefill := func(extra ...string) []string {
+		return append([]string{"serve", "--config", "../../deploy/examples/prefill.json", "--kv-port", freePort,
+			"--metrics-addr", "127.0.0.1:0", "--cache-path", filepath.Join(dir, "cache"), "--no-lock", "--no-huge-pages",
+			"--control", "ipc://" + filepath.Join(dir, "c.sock")}, extra...)
+	}
+	for _, tc := range []struct {
+		name string
+		args []string
+		code int
+		want string
+	}{
+		{"version", []string{"version"}, exitOK, "kvflow"},
+		{"help", []string{"serve", "-h"}, exitOK, ""},
+		{"bad flag value", []string{"serve", "--tp-rank", "x"}, exitUsage, "tp-rank"},
+		{"invalid config", prefill("--num-blocks", "0", "--print-config"), exitUsage, "model.num_blocks"},
+		{"metrics port in use", prefill("--metrics-addr", busyAddr), exitUsage, "node.metrics_addr " + busyAddr},
+		{"side channel port in use", prefill("--kv-port", busyPort), exitUsage, "in use"},
+		{"transfer engine port in use", prefill("--te-port", busyPort), exitUsage, "in use"},
+		{"peer unreachable (runtime)", []string{"probe", "--remote", closedAddr, "--timeout", "200ms"}, exitRuntime, "no reply"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			code, out, errOut := runCmd(tc.args...)
+			if code != tc.code || !strings.Contains(strings.ToLower(out+errOut), strings.ToLower(tc.want)) {
+				t.Errorf("exit %d (want %d), output does not contain %q:\n%s%s", code, tc.code, tc.want, out, errOut)
+			}
+		})
+	}
+}

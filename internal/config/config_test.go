@@ -718,7 +718,9 @@ func TestParseConflictingSources(t *testing.T) {
 		{"engine id", []string{"--engine-id", "a", "--kv-transfer-config", `{"engine_id":"b"}`}, `kv_transfer_config.engine_id: conflicting`},
 		{"extra config size", []string{"--kv-transfer-config", `{"kv_connector_extra_config":{"decode":{"tp_size":2}}}`, "--decode-tp", "4"},
 			`kv_transfer_config.kv_connector_extra_config.decode.tp_size: conflicting values`},
-		{"flag twice", []string{"--role", "decode", "--role", "prefill"}, `kv_transfer_config.kv_role: conflicting values: --role gives "kv_consumer", --role gives "kv_producer"`},
+		{"flag twice: the last wins", []string{"--role", "decode", "--role", "prefill"}, ""},
+		{"flag twice, then a conflicting source", []string{"--role", "decode", "--role", "prefill", "--kv-transfer-config", `{"kv_role":"kv_consumer"}`},
+			`--role gives "kv_producer", --kv-transfer-config gives "kv_consumer"`},
 		{"different fields", []string{"--kv-transfer-config", `{"kv_role":"kv_producer"}`, "--engine-id", "x", "--decode-tp", "2"}, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

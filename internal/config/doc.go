@@ -22,8 +22,8 @@
 // --kv-transfer-config takes vLLM's --kv-transfer-config JSON verbatim and
 // merges it into kv_transfer_config in command-line order. Two command-line
 // sources of one kv_transfer_config setting that disagree (--role decode and
-// a --kv-transfer-config whose kv_role is kv_producer, or one flag given
-// twice) are an error naming both, whatever their order.
+// a --kv-transfer-config whose kv_role is kv_producer) are an error naming
+// both, whatever their order; one flag given twice keeps its last value.
 //
 // # The file
 //

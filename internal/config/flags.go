@@ -201,6 +201,7 @@ type kvField struct {
 // line, which flag set it to what, so that two flags giving one setting
 // different values (--kv-transfer-config '{"kv_role":"kv_producer"}' and
 // --role decode) are an error instead of the later one winning silently.
+// One flag given twice is not a conflict: the last one wins, as usual.
 type sources struct {
 	seen map[string]source // by path inside kv_transfer_config
 	errs []error
@@ -212,13 +213,15 @@ func (s *sources) record(path, flag, value string) {
 	if s.seen == nil {
 		s.seen = map[string]source{}
 	}
-	if prev, ok := s.seen[path]; ok && prev.value != value {
+	prev, ok := s.seen[path]
+	switch {
+	case !ok || prev.flag == flag:
+		// One flag given again wins, as flags do (a wrapper appending
+		// an override); two different flags must agree.
+		s.seen[path] = source{flag, value}
+	case prev.value != value:
 		s.errs = append(s.errs, &FieldError{Path: "kv_transfer_config." + path,
 			Msg: fmt.Sprintf("conflicting values: --%s gives %q, --%s gives %q (give the setting once)", prev.flag, prev.value, flag, value)})
-		return
-	}
-	if _, ok := s.seen[path]; !ok {
-		s.seen[path] = source{flag, value}
 	}
 }
 
