@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"syscall"
@@ -100,6 +101,19 @@ func TestDemoSmall(t *testing.T) {
 		"--block-size", "16", "--timeout", "90s")
 	if code != exitOK || !strings.Contains(out, "OK: every request done, every byte matched") {
 		t.Fatalf("demo exit %d\n%s\n%s", code, out, errOut)
+	}
+	// Each figure says what it includes; the transfer rate and the
+	// workers' own latency are printed apart from the driver's work.
+	for _, re := range []string{
+		`(?m)^wall time +\d.*, of which this driver filled prefill blocks \S+ and checked every landed byte \S+`,
+		`(?m)^end to end +[0-9.]+ GB/s into decode caches over the wall time \(driver's filling and checking included`,
+		`(?m)^transfer +[0-9.]+ GB/s per request while reading \(decode workers: kvflow_read_bytes_total`,
+		`(?m)^request latency +p50 \S+ +p99 \S+ \(driver's view: .*includes queueing`,
+		`(?m)^worker latency +p50 [0-9.]+(µs|ms|s) +p99 [0-9.]+(µs|ms|s) \(decode workers' kvflow_decode_request_duration_seconds`,
+	} {
+		if !regexp.MustCompile(re).MatchString(out) {
+			t.Errorf("demo summary lacks %s:\n%s", re, out)
+		}
 	}
 }
 
