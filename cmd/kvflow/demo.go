@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"io"
 	"math"
@@ -16,8 +15,7 @@ import (
 )
 
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("demo")
 	presets := demo.Presets()
 	var names []string
 	for n := range presets {
@@ -40,7 +38,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	timeout := fs.Duration("timeout", 2*time.Minute, "fail if the demo takes longer")
 	workdir := fs.String("workdir", "", "keep configs, logs and sockets here (default: a temp dir, removed)")
 	logLevel := fs.String("worker-log-level", "info", "log level of the worker processes (logs in the work dir)")
-	if err := parseFlags(fs, args); err != nil {
+	if err := parseFlags(fs, args, stdout); err != nil {
 		return err
 	}
 	m, ok := presets[*preset]

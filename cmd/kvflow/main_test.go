@@ -353,3 +353,55 @@ func TestExitCodes(t *testing.T) {
 		})
 	}
 }
+
+// The command line behaves: a bad flag value prints the error once and a
+// pointer to --help (not the whole flag list); --help of every command goes
+// to stdout and exits 0; bool flags render without an argument; version
+// says what built the binary.
+func TestCLIOutput(t *testing.T) {
+	t.Run("bad flag value", func(t *testing.T) {
+		for _, args := range [][]string{
+			{"serve", "--tp-rank", "x"}, {"demo", "--requests", "x"}, {"probe", "--timeout", "x"},
+			{"plan", "--tp-rank", "x"}, {"bench", "e2e", "--rounds", "x"}, {"bench", "te", "--nope"},
+		} {
+			code, out, errOut := runCmd(args...)
+			lines := strings.Split(strings.TrimSpace(errOut), "\n")
+			if code != exitUsage || out != "" || len(lines) != 2 || !strings.HasPrefix(lines[0], "kvflow "+args[0]+": ") ||
+				!strings.HasPrefix(lines[1], "Run 'kvflow "+args[0]+" --help'") {
+				t.Errorf("%q: exit %d, stdout %q, stderr:\n%s", args, code, out, errOut)
+			}
+		}
+	})
+	t.Run("help on stdout", func(t *testing.T) {
+		for _, tc := range []struct {
+			args []string
+			want string
+		}{
+			{[]string{"--help"}, "usage: kvflow <command>"},
+			{[]string{"serve", "--help"}, "  -tp-rank int\n"},
+			{[]string{"serve", "-h"}, "  -engine-id string\n"},
+			{[]string{"demo", "--help"}, "  -requests int\n"},
+			{[]string{"probe", "--help"}, "  -remote HOST:PORT\n"},
+			{[]string{"keygen", "--help"}, "  -secret FILE\n"},
+			{[]string{"plan", "--help"}, "usage: kvflow plan"},
+			{[]string{"bench", "--help"}, "usage: kvflow bench te|e2e"},
+			{[]string{"bench", "te", "--help"}, "usage: kvflow bench te"},
+			{[]string{"bench", "e2e", "--help"}, "  -in-process\n    \t"},
+			{[]string{"version", "--help"}, "usage: kvflow version"},
+		} {
+			code, out, errOut := runCmd(tc.args...)
+			if code != exitOK || errOut != "" || !strings.Contains(out, tc.want) || strings.Contains(out, "panic") {
+				t.Errorf("%q: exit %d, stderr %q, stdout lacks %q:\n%s", tc.args, code, errOut, tc.want, out)
+			}
+		}
+	})
+	t.Run("version", func(t *testing.T) {
+		code, out, _ := runCmd("version")
+		for _, re := range []string{`(?m)^kvflow \S+$`, `(?m)^module +github.com/kvflow/kvflow `, `(?m)^commit +\S+`,
+			`(?m)^go +go1\.\d+`, `(?m)^build tags +\S+`, `(?m)^cgo +[01]$`, `(?m)^platform +\w+/\w+$`} {
+			if code != exitOK || !regexp.MustCompile(re).MatchString(out) {
+				t.Errorf("version output lacks %s:\n%s", re, out)
+			}
+		}
+	})
+}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -15,8 +14,7 @@ import (
 )
 
 func runProbe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("probe", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("probe")
 	remote := fs.String("remote", "", "side channel `HOST:PORT` of a prefill worker (seed or kvflow)")
 	done := fs.String("done", "", "also send DONE_RECVING for this `REQUEST_ID` and wait for the ACK")
 	asJSON := fs.Bool("json", false, "print JSON")
@@ -27,7 +25,7 @@ func runProbe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fs.StringVar(&auth.serverPublic, "auth-server-public-key-file", "", "with --auth curve: the prefill server's CURVE public key `FILE` (its auth.public_key_file)")
 	fs.StringVar(&auth.secret, "auth-secret-key-file", "", "with --auth curve: this client's CURVE secret key `FILE` (kvflow keygen); with --auth-public-key-file, or neither for a one-off pair")
 	fs.StringVar(&auth.public, "auth-public-key-file", "", "with --auth curve: this client's CURVE public key `FILE`; a server with auth.authorized_keys_file must list it")
-	if err := parseFlags(fs, args); err != nil {
+	if err := parseFlags(fs, args, stdout); err != nil {
 		return err
 	}
 	if *remote == "" {

@@ -29,12 +29,12 @@ import (
 )
 
 func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("serve")
 	printConfig := fs.Bool("print-config", false, "print the effective configuration (defaults < file < flags) and exit")
 	cfg, err := config.Parse(args, fs)
 	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
+			printHelp(fs, stdout)
 			return err
 		}
 		return usageError{err}

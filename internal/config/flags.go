@@ -148,8 +148,10 @@ func Parse(args []string, fs *flag.FlagSet) (Config, error) {
 	}
 	cfg.RegisterFlags(fs)
 	src := &sources{}
-	src.watch(fs, &cfg.KVTransfer)
-	if err := fs.Parse(args); err != nil {
+	restore := src.watch(fs, &cfg.KVTransfer)
+	err = fs.Parse(args)
+	restore() // the flags' own types again, for PrintDefaults
+	if err != nil {
 		return Config{}, err
 	}
 	if err := src.conflicts(); err != nil {
@@ -228,15 +230,24 @@ func (s *sources) record(path, flag, value string) {
 func (s *sources) conflicts() error { return errors.Join(s.errs...) }
 
 // watch wraps fs's kv_transfer_config flags (registered by RegisterFlags
-// for kv) so that each Set is recorded.
-func (s *sources) watch(fs *flag.FlagSet, kv *KVTransferConfig) {
+// for kv) so that each Set is recorded; restore puts the flags' own values
+// back.
+func (s *sources) watch(fs *flag.FlagSet, kv *KVTransferConfig) (restore func()) {
+	orig := map[*flag.Flag]flag.Value{}
 	for name, field := range kvFlagPaths {
 		if f := fs.Lookup(name); f != nil {
+			orig[f] = f.Value
 			f.Value = &recorded{Value: f.Value, set: func() { s.record(field.path, name, field.get(kv)) }}
 		}
 	}
 	if f := fs.Lookup("kv-transfer-config"); f != nil {
+		orig[f] = f.Value
 		f.Value = &recordedKV{Value: f.Value, s: s}
+	}
+	return func() {
+		for f, v := range orig {
+			f.Value = v
+		}
 	}
 }
 
@@ -244,6 +255,14 @@ func (s *sources) watch(fs *flag.FlagSet, kv *KVTransferConfig) {
 type recorded struct {
 	flag.Value
 	set func()
+}
+
+// String is safe on a zero recorded (flag.PrintDefaults makes one).
+func (r *recorded) String() string {
+	if r == nil || r.Value == nil {
+		return ""
+	}
+	return r.Value.String()
 }
 
 func (r *recorded) Set(v string) error {
@@ -258,6 +277,14 @@ func (r *recorded) Set(v string) error {
 type recordedKV struct {
 	flag.Value
 	s *sources
+}
+
+// String is safe on a zero recordedKV (flag.PrintDefaults makes one).
+func (r *recordedKV) String() string {
+	if r == nil || r.Value == nil {
+		return ""
+	}
+	return r.Value.String()
 }
 
 func (r *recordedKV) Set(v string) error {
