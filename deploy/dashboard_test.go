@@ -549,7 +549,7 @@ var wantOnDashboard = []string{
 
 var wantInAlerts = []string{
 	"kvflow_decode_requests_total", "kvflow_prefill_freed_total",
-	"kvflow_stage_queue_depth", "kvflow_stage_queue_capacity", "kvflow_stage_items_total",
+	"kvflow_stage_queue_depth", "kvflow_stage_blocked_seconds_total", "kvflow_stage_items_total",
 }
 
 func TestMetricNamesRegistered(t *testing.T) {
