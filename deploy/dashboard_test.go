@@ -543,11 +543,13 @@ var wantOnDashboard = []string{
 	"kvflow_decode_request_duration_seconds", "kvflow_handshake_cache_lookups_total",
 	"kvflow_notify_done_messages_total", "kvflow_prefill_delayed_requests", "kvflow_prefill_freed_total",
 	"kvflow_sidechannel_requests_total", "kvflow_transfer_rejected_total",
+	"kvflow_decode_leased_requests", "kvflow_decode_lease_renewals_total", "kvflow_prefill_lease_renewals_total",
+	"kvflow_prefill_lease_expired_total", "kvflow_decode_stale_reads_refused_total",
 }
 
 var wantInAlerts = []string{
 	"kvflow_decode_requests_total", "kvflow_prefill_freed_total",
-	"kvflow_stage_queue_depth", "kvflow_stage_queue_capacity", "kvflow_stage_items_total",
+	"kvflow_stage_queue_depth", "kvflow_stage_blocked_seconds_total", "kvflow_stage_items_total",
 }
 
 func TestMetricNamesRegistered(t *testing.T) {

@@ -39,11 +39,15 @@
 // Instrumentation is paid per item and stage, so it is kept off the hot
 // path where it can be: intake and Close meet on atomics, a send to a queue
 // with room is one channel operation, gauges are read at scrape time, and a
-// stage whose items take under 20 µs has one item in 64 timed into
+// saturated stage (its workers take items back to back without waiting)
+// whose items take under 20 µs has one item in 64 timed into
 // kvflow_stage_duration_seconds (its _count is then a sample; the item
-// counts are in kvflow_stage_items_total). Stages slower than that — all of
-// kvflow's I/O stages — are timed on every item. Likewise the end-to-end
-// latency is sampled one item in 64 while items take under 1 ms.
+// counts are in kvflow_stage_items_total). An item a worker waited for is
+// always timed, so at low traffic every item is measured and the histogram
+// is never empty while items are counted; stages slower than 20 µs — all
+// of kvflow's I/O stages — are timed on every item. Likewise the end-to-end
+// latency is sampled one item in 64 only while items take under 1 ms and
+// the first stage's workers do not wait for work.
 //
 // Each worker counts its items in plain memory and publishes the counts
 // with an atomic store only before it waits (for an item, or for room

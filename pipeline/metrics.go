@@ -21,7 +21,8 @@ const (
 // live in the pipeline's own atomics (each written by one goroutine where
 // the item rate makes it matter) and scrapeCollector turns them into
 // metrics at scrape time. Only the histograms are observed directly, and
-// those on sampled items when items are fast (see timeEvery).
+// those on sampled items when a saturated stage's items are fast (see
+// timeEvery).
 type metrics struct {
 	queueDepth    *prometheus.Desc
 	queueCapacity *prometheus.Desc
@@ -117,7 +118,7 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) (*metrics, e
 		}, []string{"stage"}),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "kvflow_stage_duration_seconds",
-			Help:    "Time one item spent in the stage's processing function.",
+			Help:    "Time one item spent in the stage's processing function. Every item is timed when the stage's worker waited for it (not saturated) or items take 20us or more; items a saturated worker takes back to back in under 20us are sampled 1 in 64 (kvflow_stage_items_total counts all).",
 			Buckets: DurationBuckets,
 		}, []string{"stage"}),
 		panics: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -130,7 +131,7 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) (*metrics, e
 		}, inflight),
 		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "kvflow_pipeline_item_duration_seconds",
-			Help:    "Time from acceptance to the sink, by outcome.",
+			Help:    "Time from acceptance to the sink, by outcome. Every item is timed while items take 1ms or more and when the pipeline's first stage had a worker waiting (not saturated); under load of faster items 1 in 64 is sampled (kvflow_pipeline_items_total counts all).",
 			Buckets: DurationBuckets,
 		}, []string{"outcome"}),
 	}

@@ -133,16 +133,21 @@ type stage[T any] struct {
 	workers []worker
 }
 
-// Timing: every item of a stage is timed while the stage's recent items
-// took at least timeAllAbove; below that the clock reads and histogram
-// update would cost more than the work itself, so one item in
-// timeEvery is timed (kvflow_stage_items_total still counts every item).
+// Timing: every item of a stage is timed when the stage is not saturated
+// (its worker waited for the item: low traffic is always measured, so the
+// histograms are never empty while items are counted) and while the
+// stage's recent items took at least timeAllAbove. Only items that a
+// worker takes back to back (a saturated stage) and that are faster than
+// that are sampled, one in timeEvery: there the clock reads and histogram
+// update would cost more than the work itself (kvflow_stage_items_total
+// still counts every item).
 // kvflow's real stages (handshake misses, reads, DONE/ACK) take far longer
 // and are always timed. Likewise the end-to-end latency
 // (kvflow_pipeline_item_duration_seconds) is measured on every item while
 // recent items took at least latencyAllAbove from acceptance to the sink,
-// on one item in timeEvery otherwise (kvflow_pipeline_items_total still
-// counts every item). A timed item costs two clock reads (about 35 ns each
+// and on the first item accepted after a first-stage worker waited for
+// work (not saturated); on one item in timeEvery otherwise
+// (kvflow_pipeline_items_total still counts every item). A timed item costs two clock reads (about 35 ns each
 // on the virtual machines measured) and a histogram update, about 100 ns
 // in all: at one in 16 that was a fifth of a no-op chain's per-item cost,
 // at one in 64 it is a twentieth, and 64 samples of items that take under
@@ -217,6 +222,7 @@ type Pipeline[T any] struct {
 	closed    atomic.Bool
 	canceled  atomic.Bool   // set with hardCancel; cheaper to poll than hardCtx.Err
 	timeAll   atomic.Bool   // recent items took >= latencyAllAbove end to end
+	quiet     atomic.Bool   // a first-stage worker waited for an item since the last timed intake
 	closing   chan struct{} // closed when Close begins: stops blocked Submits
 	drained   chan struct{} // closed when, after Close began, no item is in flight
 	drainOnce sync.Once
@@ -258,6 +264,7 @@ func New[T any](cfg Config[T]) (*Pipeline[T], error) {
 		closing: make(chan struct{}),
 		drained: make(chan struct{}),
 	}
+	p.quiet.Store(true) // idle: the first item is timed
 	p.hardCtx, p.hardCancel = context.WithCancel(context.Background())
 	m, err := newMetrics(reg, func() float64 { return float64(p.InFlight()) })
 	if err != nil {
@@ -379,6 +386,14 @@ func isNilFunc[T any](s Stage[T]) bool {
 	return ok && f == nil
 }
 
+// takeQuiet reports, once, that a first-stage worker had to wait for an
+// item since it was last called: the pipeline is not saturated, so the
+// item being accepted is timed end to end. Under load the workers rarely
+// wait and the load is one atomic read.
+func (p *Pipeline[T]) takeQuiet() bool {
+	return p.quiet.Load() && p.quiet.Swap(false)
+}
+
 // Submit hands item to the first stage, blocking while its queue is full.
 // The time spent blocked is counted. It returns ctx's error if ctx ends
 // first, ErrClosed if Close has begun; in both cases the item was not
@@ -390,7 +405,7 @@ func (p *Pipeline[T]) Submit(ctx context.Context, item T) error {
 		return err
 	}
 	e := envelope[T]{item: item}
-	if n%timeEvery == 0 || p.timeAll.Load() {
+	if n%timeEvery == 0 || p.timeAll.Load() || p.takeQuiet() {
 		e.start = nanotime()
 	}
 	first := p.stages[0]
@@ -421,7 +436,7 @@ func (p *Pipeline[T]) TrySubmit(item T) error {
 		return err
 	}
 	e := envelope[T]{item: item}
-	if n%timeEvery == 0 || p.timeAll.Load() {
+	if n%timeEvery == 0 || p.timeAll.Load() || p.takeQuiet() {
 		e.start = nanotime()
 	}
 	first := p.stages[0]
@@ -569,7 +584,11 @@ func (p *Pipeline[T]) serve(s *stage[T], w *worker) (e envelope[T], t0 int64, er
 			}
 		}
 		w.burst = got
-		if !got {
+		waited := !got
+		if waited {
+			if s.idx == 0 && !p.quiet.Load() {
+				p.quiet.Store(true) // the next accepted item is timed
+			}
 			p.publish(w, 0) // about to wait
 			e, more = <-s.queue
 		}
@@ -584,7 +603,7 @@ func (p *Pipeline[T]) serve(s *stage[T], w *worker) (e envelope[T], t0 int64, er
 			p.publish(w, 1)
 		}
 		t0 = 0
-		if !w.fast || w.skip == 0 {
+		if waited || !w.fast || w.skip == 0 {
 			t0 = nanotime()
 		} else {
 			w.skip--

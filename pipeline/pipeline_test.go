@@ -677,3 +677,76 @@ func TestRandomized(t *testing.T) {
 		t.Fatalf("goroutines leaked: %d before, %d after", before, g)
 	}
 }
+
+// histCount is the sample count of the histogram series name{labels}.
+func histCount(t *testing.T, reg *prometheus.Registry, name string, labels ...string) uint64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n uint64
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	metric:
+		for _, m := range mf.GetMetric() {
+			for i := 0; i < len(labels); i += 2 {
+				found := false
+				for _, l := range m.GetLabel() {
+					found = found || l.GetName() == labels[i] && l.GetValue() == labels[i+1]
+				}
+				if !found {
+					continue metric
+				}
+			}
+			n += m.GetHistogram().GetSampleCount()
+		}
+	}
+	return n
+}
+
+// At low traffic (each item submitted once the pipeline is idle again)
+// every item is timed, also in stages far faster than the sampling
+// threshold: the latency histograms count what the item counters count
+// from the first item on (they used to stay empty until the 64th).
+func TestLowTrafficEveryItemTimed(t *testing.T) {
+	stages := []StageConfig[*item]{noop("a"), noop("b"), noop("c")}
+	reg := prometheus.NewRegistry()
+	c := newCollector()
+	p, err := New(Config[*item]{Stages: stages, Sink: c.sink, Registerer: reg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close(context.Background())
+	const n = 10
+	deadline := time.Now().Add(30 * time.Second)
+	for i := range n {
+		if err := p.Submit(context.Background(), &item{id: i}); err != nil {
+			t.Fatal(err)
+		}
+		// Idle again: the item reached the sink and no worker is busy.
+		for {
+			idle := int(c.count.Load()) == i+1
+			for _, st := range stages {
+				idle = idle && value(t, reg, "kvflow_stage_busy_workers", "stage", st.Name) == 0
+			}
+			if idle {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("item %d: pipeline not idle", i)
+			}
+			time.Sleep(time.Millisecond)
+		}
+		for _, st := range stages {
+			if got := histCount(t, reg, "kvflow_stage_duration_seconds", "stage", st.Name); got != uint64(i+1) {
+				t.Fatalf("after %d items: kvflow_stage_duration_seconds{stage=%q} count %d", i+1, st.Name, got)
+			}
+		}
+		if got := histCount(t, reg, "kvflow_pipeline_item_duration_seconds", "outcome", "done"); got != uint64(i+1) {
+			t.Fatalf("after %d items: kvflow_pipeline_item_duration_seconds{outcome=done} count %d", i+1, got)
+		}
+	}
+}

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"io"
 	"math"
@@ -16,8 +15,7 @@ import (
 )
 
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("demo")
 	presets := demo.Presets()
 	var names []string
 	for n := range presets {
@@ -40,7 +38,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	timeout := fs.Duration("timeout", 2*time.Minute, "fail if the demo takes longer")
 	workdir := fs.String("workdir", "", "keep configs, logs and sockets here (default: a temp dir, removed)")
 	logLevel := fs.String("worker-log-level", "info", "log level of the worker processes (logs in the work dir)")
-	if err := parseFlags(fs, args); err != nil {
+	if err := parseFlags(fs, args, stdout); err != nil {
 		return err
 	}
 	m, ok := presets[*preset]
@@ -87,15 +85,25 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 
 func printSummary(w io.Writer, s *demo.Summary) {
 	tw := tabwriter.NewWriter(w, 2, 0, 2, ' ', 0)
-	gbps := 0.0
-	if s.Wall > 0 {
-		gbps = float64(s.Bytes) / s.Wall.Seconds() / 1e9
+	rate := func(bytes float64, d time.Duration) string {
+		if d <= 0 {
+			return "-"
+		}
+		return fmt.Sprintf("%.2f GB/s", bytes/d.Seconds()/1e9)
 	}
+	q := func(p float64) time.Duration { return demo.Quantile(s.Latencies, p).Round(10 * time.Microsecond) }
 	fmt.Fprintf(tw, "\nrequests\t%d (done %d, failed %d)\n", s.Requests, s.Done, s.Failed)
 	fmt.Fprintf(tw, "bytes verified\t%.2f GiB (%d mismatching)\n", float64(s.Bytes)/(1<<30), s.BadBytes)
-	fmt.Fprintf(tw, "wall time\t%v\n", s.Wall.Round(time.Millisecond))
-	fmt.Fprintf(tw, "throughput\t%.2f GB/s into decode caches, end to end (includes this driver filling and checking every byte; see kvflow bench e2e)\n", gbps)
-	fmt.Fprintf(tw, "request latency\tp50 %v  p99 %v\n", demo.Quantile(s.Latencies, 0.5).Round(10*time.Microsecond), demo.Quantile(s.Latencies, 0.99).Round(10*time.Microsecond))
+	fmt.Fprintf(tw, "wall time\t%v, of which this driver filled prefill blocks %v and checked every landed byte %v (one goroutine)\n",
+		s.Wall.Round(time.Millisecond), s.Fill.Round(time.Millisecond), s.Check.Round(time.Millisecond))
+	fmt.Fprintf(tw, "end to end\t%s into decode caches over the wall time (driver's filling and checking included; see kvflow bench e2e)\n",
+		rate(float64(s.Bytes), s.Wall))
+	fmt.Fprintf(tw, "transfer\t%s per request while reading (decode workers: kvflow_read_bytes_total over the read stage's time summed over requests; concurrent requests add up)\n",
+		rate(s.ReadBytes, time.Duration(s.ReadSeconds*float64(time.Second))))
+	fmt.Fprintf(tw, "request latency\tp50 %v  p99 %v (driver's view: load handed over to done seen by its finished poll; includes queueing behind requests in flight and its filling and checking between polls)\n",
+		q(0.5), q(0.99))
+	fmt.Fprintf(tw, "worker latency\tp50 %s  p99 %s (decode workers' kvflow_decode_request_duration_seconds: load to end, no driver time)\n",
+		secs(s.WorkerP50), secs(s.WorkerP99))
 	tw.Flush()
 	if len(s.Stages) > 0 {
 		fmt.Fprintln(w, "\nper-stage latency (decode workers' kvflow_stage_duration_seconds):")

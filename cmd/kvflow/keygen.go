@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"io"
 
@@ -11,11 +10,10 @@ import (
 
 // runKeygen writes a CURVE key pair for auth.mode curve.
 func runKeygen(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("keygen", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("keygen")
 	secret := fs.String("secret", "", "secret key `FILE` to create (mode 0600; never overwritten)")
 	public := fs.String("public", "", "public key `FILE` to create")
-	if err := parseFlags(fs, args); err != nil {
+	if err := parseFlags(fs, args, stdout); err != nil {
 		return err
 	}
 	if *secret == "" || *public == "" {

@@ -43,10 +43,7 @@ func commands() []command {
 		{"probe", "fetch a side channel's metadata and cache fingerprint, compare it with a decode config, optionally send a DONE", runProbe},
 		{"bench", "benchmarks: te (transfer engine), e2e", runBench},
 		{"keygen", "write a CURVE key pair for auth.mode curve", runKeygen},
-		{"version", "print the version", func(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-			fmt.Fprintln(stdout, "kvflow", version)
-			return nil
-		}},
+		{"version", "print the version, commit, Go version and build tags", runVersion},
 	}
 }
 
@@ -85,7 +82,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		case errors.Is(err, flag.ErrHelp):
 			return exitOK
 		case errors.As(err, new(usageError)), clierr.IsUsage(err):
-			fmt.Fprintf(stderr, "kvflow %s: %v\n", c.name, err)
+			fmt.Fprintf(stderr, "kvflow %s: %v\nRun 'kvflow %s --help' for usage.\n", c.name, err, c.name)
 			return exitUsage
 		default:
 			fmt.Fprintf(stderr, "kvflow %s: %v\n", c.name, err)
@@ -97,10 +94,30 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return exitUsage
 }
 
-// parseFlags parses fs, turning flag errors into usage errors.
-func parseFlags(fs *flag.FlagSet, args []string) error {
+// newFlagSet is a subcommand's flag set. The flag package prints nothing
+// itself: a parse error is returned (and printed once by run, with a
+// pointer to --help), and -h/--help prints the flags on stdout (printHelp).
+func newFlagSet(name string) *flag.FlagSet {
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
+	return fs
+}
+
+// printHelp writes the usage line and flags of fs to w.
+func printHelp(fs *flag.FlagSet, w io.Writer) {
+	fmt.Fprintf(w, "usage: kvflow %s [flags]\n\nflags:\n", fs.Name())
+	fs.SetOutput(w)
+	fs.PrintDefaults()
+	fs.SetOutput(io.Discard)
+}
+
+// parseFlags parses fs, turning flag errors into usage errors; -h prints
+// the flags on stdout and returns flag.ErrHelp.
+func parseFlags(fs *flag.FlagSet, args []string, stdout io.Writer) error {
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
+			printHelp(fs, stdout)
 			return err
 		}
 		return usageError{err}

@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"syscall"
@@ -56,6 +57,10 @@ func TestUsage(t *testing.T) {
 		{[]string{"serve", "--config", "/nonexistent.json"}, exitUsage, "nonexistent"},
 		{[]string{"serve", "extra-arg", "--print-config"}, exitUsage, "unexpected arguments"},
 		{[]string{"serve", "--te-backend", "mooncake"}, exitUsage, "node.te_backend: \"mooncake\" is not supported yet: the node does not drive the cgo binding"},
+		{[]string{"serve", "--config", "../../deploy/examples/prefill.json", "--num-blocks", "-3", "--print-config"}, exitUsage,
+			"invalid configuration:\nmodel.num_blocks: must be >= 1, got -3"},
+		{[]string{"serve", "--config", "../../deploy/examples/prefill.json", "--kv-transfer-config", `{"kv_role":"kv_producer"}`, "--role", "decode", "--print-config"},
+			exitUsage, `kv_transfer_config.kv_role: conflicting values: --kv-transfer-config gives "kv_producer", --role gives "kv_consumer"`},
 		{[]string{"probe"}, exitUsage, "--remote"},
 		{[]string{"bench"}, exitUsage, "subcommand"},
 		{[]string{"bench", "xx"}, exitUsage, "unknown subcommand"},
@@ -96,6 +101,19 @@ func TestDemoSmall(t *testing.T) {
 		"--block-size", "16", "--timeout", "90s")
 	if code != exitOK || !strings.Contains(out, "OK: every request done, every byte matched") {
 		t.Fatalf("demo exit %d\n%s\n%s", code, out, errOut)
+	}
+	// Each figure says what it includes; the transfer rate and the
+	// workers' own latency are printed apart from the driver's work.
+	for _, re := range []string{
+		`(?m)^wall time +\d.*, of which this driver filled prefill blocks \S+ and checked every landed byte \S+`,
+		`(?m)^end to end +[0-9.]+ GB/s into decode caches over the wall time \(driver's filling and checking included`,
+		`(?m)^transfer +[0-9.]+ GB/s per request while reading \(decode workers: kvflow_read_bytes_total`,
+		`(?m)^request latency +p50 \S+ +p99 \S+ \(driver's view: .*includes queueing`,
+		`(?m)^worker latency +p50 [0-9.]+(µs|ms|s) +p99 [0-9.]+(µs|ms|s) \(decode workers' kvflow_decode_request_duration_seconds`,
+	} {
+		if !regexp.MustCompile(re).MatchString(out) {
+			t.Errorf("demo summary lacks %s:\n%s", re, out)
+		}
 	}
 }
 
@@ -279,4 +297,111 @@ func TestServePortInUse(t *testing.T) {
 	if code != exitUsage || !strings.Contains(strings.ToLower(errOut), "in use") {
 		t.Fatalf("exit %d: %s", code, errOut)
 	}
+}
+
+// The exit codes the README's table documents: 0 success, 1 a runtime
+// failure, 2 the command line or the configuration (a port in use
+// included: the same command cannot succeed until the operator acts).
+func TestExitCodes(t *testing.T) {
+	busy, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer busy.Close()
+	busyAddr := busy.Addr().String()
+	busyPort := fmt.Sprint(busy.Addr().(*net.TCPAddr).Port)
+	closed, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closedAddr := closed.Addr().String()
+	closed.Close()
+	dir := t.TempDir()
+	free, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	freePort := fmt.Sprint(free.Addr().(*net.TCPAddr).Port)
+	free.Close()
+	// A prefill worker of the example with its per-machine names moved
+	// into the test's directory and free ports.
+	prefill := func(extra ...string) []string {
+		return append([]string{"serve", "--config", "../../deploy/examples/prefill.json", "--kv-port", freePort,
+			"--metrics-addr", "127.0.0.1:0", "--cache-path", filepath.Join(dir, "cache"), "--no-lock", "--no-huge-pages",
+			"--control", "ipc://" + filepath.Join(dir, "c.sock")}, extra...)
+	}
+	for _, tc := range []struct {
+		name string
+		args []string
+		code int
+		want string
+	}{
+		{"version", []string{"version"}, exitOK, "kvflow"},
+		{"help", []string{"serve", "-h"}, exitOK, ""},
+		{"bad flag value", []string{"serve", "--tp-rank", "x"}, exitUsage, "tp-rank"},
+		{"invalid config", prefill("--num-blocks", "0", "--print-config"), exitUsage, "model.num_blocks"},
+		{"metrics port in use", prefill("--metrics-addr", busyAddr), exitUsage, "node.metrics_addr " + busyAddr},
+		{"side channel port in use", prefill("--kv-port", busyPort), exitUsage, "in use"},
+		{"transfer engine port in use", prefill("--te-port", busyPort), exitUsage, "in use"},
+		{"peer unreachable (runtime)", []string{"probe", "--remote", closedAddr, "--timeout", "200ms"}, exitRuntime, "no reply"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			code, out, errOut := runCmd(tc.args...)
+			if code != tc.code || !strings.Contains(strings.ToLower(out+errOut), strings.ToLower(tc.want)) {
+				t.Errorf("exit %d (want %d), output does not contain %q:\n%s%s", code, tc.code, tc.want, out, errOut)
+			}
+		})
+	}
+}
+
+// The command line behaves: a bad flag value prints the error once and a
+// pointer to --help (not the whole flag list); --help of every command goes
+// to stdout and exits 0; bool flags render without an argument; version
+// says what built the binary.
+func TestCLIOutput(t *testing.T) {
+	t.Run("bad flag value", func(t *testing.T) {
+		for _, args := range [][]string{
+			{"serve", "--tp-rank", "x"}, {"demo", "--requests", "x"}, {"probe", "--timeout", "x"},
+			{"plan", "--tp-rank", "x"}, {"bench", "e2e", "--rounds", "x"}, {"bench", "te", "--nope"},
+		} {
+			code, out, errOut := runCmd(args...)
+			lines := strings.Split(strings.TrimSpace(errOut), "\n")
+			if code != exitUsage || out != "" || len(lines) != 2 || !strings.HasPrefix(lines[0], "kvflow "+args[0]+": ") ||
+				!strings.HasPrefix(lines[1], "Run 'kvflow "+args[0]+" --help'") {
+				t.Errorf("%q: exit %d, stdout %q, stderr:\n%s", args, code, out, errOut)
+			}
+		}
+	})
+	t.Run("help on stdout", func(t *testing.T) {
+		for _, tc := range []struct {
+			args []string
+			want string
+		}{
+			{[]string{"--help"}, "usage: kvflow <command>"},
+			{[]string{"serve", "--help"}, "  -tp-rank int\n"},
+			{[]string{"serve", "-h"}, "  -engine-id string\n"},
+			{[]string{"demo", "--help"}, "  -requests int\n"},
+			{[]string{"probe", "--help"}, "  -remote HOST:PORT\n"},
+			{[]string{"keygen", "--help"}, "  -secret FILE\n"},
+			{[]string{"plan", "--help"}, "usage: kvflow plan"},
+			{[]string{"bench", "--help"}, "usage: kvflow bench te|e2e"},
+			{[]string{"bench", "te", "--help"}, "usage: kvflow bench te"},
+			{[]string{"bench", "e2e", "--help"}, "  -in-process\n    \t"},
+			{[]string{"version", "--help"}, "usage: kvflow version"},
+		} {
+			code, out, errOut := runCmd(tc.args...)
+			if code != exitOK || errOut != "" || !strings.Contains(out, tc.want) || strings.Contains(out, "panic") {
+				t.Errorf("%q: exit %d, stderr %q, stdout lacks %q:\n%s", tc.args, code, errOut, tc.want, out)
+			}
+		}
+	})
+	t.Run("version", func(t *testing.T) {
+		code, out, _ := runCmd("version")
+		for _, re := range []string{`(?m)^kvflow \S+$`, `(?m)^module +github.com/kvflow/kvflow `, `(?m)^commit +\S+`,
+			`(?m)^go +go1\.\d+`, `(?m)^build tags +\S+`, `(?m)^cgo +[01]$`, `(?m)^platform +\w+/\w+$`} {
+			if code != exitOK || !regexp.MustCompile(re).MatchString(out) {
+				t.Errorf("version output lacks %s:\n%s", re, out)
+			}
+		}
+	})
 }

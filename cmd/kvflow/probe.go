@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -20,8 +19,7 @@ import (
 )
 
 func runProbe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("probe", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("probe")
 	remote := fs.String("remote", "", "side channel `HOST:PORT` of a prefill worker (seed or kvflow)")
 	done := fs.String("done", "", "also send DONE_RECVING for this `REQUEST_ID` and wait for the ACK")
 	asJSON := fs.Bool("json", false, "print JSON")
@@ -33,7 +31,7 @@ func runProbe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fs.StringVar(&auth.serverPublic, "auth-server-public-key-file", "", "with --auth curve: the prefill server's CURVE public key `FILE` (its auth.public_key_file)")
 	fs.StringVar(&auth.secret, "auth-secret-key-file", "", "with --auth curve: this client's CURVE secret key `FILE` (kvflow keygen); with --auth-public-key-file, or neither for a one-off pair")
 	fs.StringVar(&auth.public, "auth-public-key-file", "", "with --auth curve: this client's CURVE public key `FILE`; a server with auth.authorized_keys_file must list it")
-	if err := parseFlags(fs, args); err != nil {
+	if err := parseFlags(fs, args, stdout); err != nil {
 		return err
 	}
 	if *remote == "" {
@@ -41,6 +39,10 @@ func runProbe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	if *timeout < time.Millisecond {
 		return usagef("--timeout %v: must be at least 1ms", *timeout)
+	}
+	host, _, err := net.SplitHostPort(*remote)
+	if err != nil {
+		return usagef("--remote %q: want HOST:PORT: %v", *remote, err)
 	}
 	if err := auth.validate(); err != nil {
 		return err
@@ -52,6 +54,16 @@ func runProbe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			return err
 		}
 		exp = &e
+	}
+	// ZMQ resolves a name in the background and retries forever: an
+	// unresolvable host would read as "no reply". Name the DNS failure.
+	if net.ParseIP(host) == nil {
+		rctx, cancel := context.WithTimeout(ctx, *timeout)
+		_, err := net.DefaultResolver.LookupHost(rctx, host)
+		cancel()
+		if err != nil {
+			return fmt.Errorf("resolve %s: %w", host, err)
+		}
 	}
 	curve, err := auth.load()
 	if err != nil {
@@ -95,6 +107,7 @@ func runProbe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			out["mismatch"] = incompatible.Error()
 		}
 	}
+	var doneRTT time.Duration
 	if *done != "" {
 		t1 := time.Now()
 		if err := c.SendDone(ctx, *remote, *done); err != nil {
@@ -102,7 +115,8 @@ func runProbe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 		out["done_request_id"] = *done
 		out["ack"] = true
-		out["done_rtt_us"] = time.Since(t1).Microseconds()
+		doneRTT = time.Since(t1)
+		out["done_rtt_us"] = doneRTT.Microseconds()
 	}
 	if *asJSON {
 		enc := json.NewEncoder(stdout)
@@ -115,7 +129,7 @@ func runProbe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fmt.Fprintf(stdout, "remote       %s\nengine_id    %s\nte_rpc_port  %d\nnum_blocks   %d\ncaches       %d base addresses (first %#x)\nboot_epoch   %d\nget_meta     %v\n",
 		*remote, m.EngineID, m.TERPCPort, m.NumBlocks, len(m.KVCachesBaseAddr), first(m.KVCachesBaseAddr), m.Ext.BootEpoch, rtt)
 	if *done != "" {
-		fmt.Fprintf(stdout, "done         %q acked in %v\n", *done, out["done_rtt_us"].(int64))
+		fmt.Fprintf(stdout, "done         %q acked in %v\n", *done, doneRTT)
 	}
 	if f := m.Ext.Cache; f != nil {
 		fmt.Fprintf(stdout, "cache        %s %s, block_size %d, kv_heads %d, head_dim %d, kv_lora_rank %d, qk_rope_head_dim %d, indexer_dim %d\n",

@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -99,6 +100,9 @@ func TestProbe(t *testing.T) {
 			want: []string{noReply, "authorized keys do not list"}},
 		{name: "plain server, curve client", remote: plain, args: withKeys,
 			want: []string{noReply, "a server without auth"}},
+		// An unresolvable host names the DNS failure, not a timeout.
+		{name: "unresolvable host", remote: "kvflow-no-such-host.invalid:20001",
+			want: []string{"kvflow probe: resolve kvflow-no-such-host.invalid: lookup kvflow-no-such-host.invalid"}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -110,6 +114,9 @@ func TestProbe(t *testing.T) {
 				t.Errorf("took %v with --timeout %v", took, timeout)
 			}
 			if !tc.ok {
+				if tc.name == "unresolvable host" && strings.Contains(errOut, "no reply") {
+					t.Errorf("stderr %q reads as a timeout", errOut)
+				}
 				if code != exitRuntime {
 					t.Errorf("exit %d, want %d; stdout %q", code, exitRuntime, out)
 				}
@@ -244,5 +251,18 @@ func TestProbeCompat(t *testing.T) {
 	cache, _ := got["cache"].(map[string]any)
 	if got["compatible"] != true || cache["block_size"] != float64(16) || cache["num_blocks"] != float64(16) {
 		t.Fatalf("json %v", got)
+	}
+}
+
+// probe's text output gives round trips with their unit.
+func TestProbeTextUnits(t *testing.T) {
+	plain := startProbePrefill(t, config.Auth{Mode: config.AuthOff})
+	code, out, errOut := runCmd("probe", "--remote", plain, "--done", "req-t")
+	if code != exitOK {
+		t.Fatalf("exit %d: %s", code, errOut)
+	}
+	if !regexp.MustCompile(`(?m)^done +"req-t" acked in [0-9.]+(ns|µs|ms|s)$`).MatchString(out) ||
+		!regexp.MustCompile(`(?m)^get_meta +[0-9.]+(ns|µs|ms|s)$`).MatchString(out) {
+		t.Errorf("output without units:\n%s", out)
 	}
 }

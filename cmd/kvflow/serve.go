@@ -29,12 +29,12 @@ import (
 )
 
 func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("serve")
 	printConfig := fs.Bool("print-config", false, "print the effective configuration (defaults < file < flags) and exit")
 	cfg, err := config.Parse(args, fs)
 	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
+			printHelp(fs, stdout)
 			return err
 		}
 		return usageError{err}
@@ -42,17 +42,39 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if fs.NArg() > 0 {
 		return usagef("unexpected arguments %q", fs.Args())
 	}
-	if *printConfig {
-		return cfg.Print(stdout)
-	}
+	// --print-config shows only a configuration serve would run: an
+	// invalid one is reported (exit 2), not printed.
 	if err := cfg.Validate(); err != nil {
 		return usageError{fmt.Errorf("invalid configuration:\n%w", err)}
+	}
+	if *printConfig {
+		return cfg.Print(stdout)
 	}
 	log, err := newLogger(stderr, cfg.Log.Level, cfg.Log.Format)
 	if err != nil {
 		return err
 	}
+	logStartup(log, cfg)
 	return serve(ctx, cfg, log, stdout)
+}
+
+// logStartup logs, once, what an operator must know before the first
+// request: kv_connector_extra_config keys kvflow ignores, and for a decode
+// worker which prefill ranks and side-channel ports it will dial.
+func logStartup(log *slog.Logger, cfg config.Config) {
+	if keys := cfg.KVTransfer.KVConnectorExtraConfig.UnknownExtraKeys(); len(keys) > 0 {
+		log.Warn("kv_connector_extra_config keys other than prefill and decode are ignored by kvflow (other plugins' settings)", "keys", keys)
+	}
+	if cfg.Role() != config.Decode {
+		return
+	}
+	ranks, err := prefillPeers(cfg)
+	if err != nil {
+		log.Warn("cannot list the prefill ranks this worker needs", "err", err)
+		return
+	}
+	log.Info("prefill ranks this decode rank reads from: each must be running, its side channel at the request's remote_port (the prefill instance's kv_port, plus dp_rank*tp*pp*pcp) plus its rank",
+		"prefill_ranks", ranks, "ports", describePeers(cfg, ranks))
 }
 
 // serve runs one worker until ctx ends, then shuts it down in two phases.

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"flag"
+	"fmt"
 	"io"
 
 	"github.com/kvflow/kvflow/internal/cli/benche2e"
@@ -20,6 +22,13 @@ var benchCommands = map[string]func(ctx context.Context, args []string, stdout, 
 }
 
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) > 0 && (args[0] == "-h" || args[0] == "--help" || args[0] == "-help" || args[0] == "help") {
+		fmt.Fprint(stdout, "usage: kvflow bench te|e2e [flags]\n\n"+
+			"  te   the transfer engine alone (Mooncake transfer_engine_bench's flags)\n"+
+			"  e2e  kvflow's pipeline against a serial baseline on the same workers\n\n"+
+			"Run 'kvflow bench te --help' or 'kvflow bench e2e --help' for their flags.\n")
+		return flag.ErrHelp
+	}
 	if len(args) == 0 {
 		return usagef("bench: want a subcommand: te (transfer engine, Mooncake transfer_engine_bench flags) or e2e (end to end)")
 	}

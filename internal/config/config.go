@@ -77,7 +77,10 @@ type KVTransferConfig struct {
 }
 
 // ExtraConfig is kv_connector_extra_config. Keys other than prefill and
-// decode are preserved in Extra (and printed) but never interpreted.
+// decode belong to other plugins (use_ascend_direct, ...): they are
+// preserved in Extra (and printed) but never interpreted, and serve logs
+// them once at warn (UnknownExtraKeys). A key one or two edits from
+// prefill or decode ("prefil") is an error instead.
 type ExtraConfig struct {
 	Prefill Parallel                   `json:"prefill"`
 	Decode  Parallel                   `json:"decode"`
@@ -87,14 +90,14 @@ type ExtraConfig struct {
 // Parallel is one instance's layout in kv_connector_extra_config. As in the
 // seed, tp_size and dp_size are required and pp_size defaults to 1; pcp_size
 // and dcp_size (kvflow additions, 0 or absent meaning 1) give the instance's
-// context-parallel sizes. Unknown keys are preserved in Extra.
+// context-parallel sizes. An unknown key is an error (with a did-you-mean):
+// a misspelt size would silently keep its default.
 type Parallel struct {
-	TPSize  int                        `json:"tp_size"`
-	DPSize  int                        `json:"dp_size"`
-	PPSize  int                        `json:"pp_size"`
-	PCPSize int                        `json:"pcp_size,omitempty"`
-	DCPSize int                        `json:"dcp_size,omitempty"`
-	Extra   map[string]json.RawMessage `json:"-" kvflow:"extra"`
+	TPSize  int `json:"tp_size"`
+	DPSize  int `json:"dp_size"`
+	PPSize  int `json:"pp_size"`
+	PCPSize int `json:"pcp_size,omitempty"`
+	DCPSize int `json:"dcp_size,omitempty"`
 }
 
 // Model is the model and KV-cache shape, for the whole model.

@@ -161,7 +161,7 @@ func TestLoadVLLMStyle(t *testing.T) {
 	kvJSON := `{"kv_connector": "MooncakeConnectorV1", "kv_buffer_device": "npu", "kv_role": "kv_producer",
 		"kv_parallel_size": 1, "kv_port": "20001", "engine_id": "0",
 		"kv_connector_module_path": "vllm_ascend.distributed.mooncake_connector",
-		"kv_connector_extra_config": {"use_ascend_direct": true, "prefill": {"dp_size": 2, "tp_size": 8}, "decode": {"dp_size": 2, "tp_size": 8, "new_vllm_knob": [1, 2]}}}`
+		"kv_connector_extra_config": {"use_ascend_direct": true, "prefill": {"dp_size": 2, "tp_size": 8}, "decode": {"dp_size": 2, "tp_size": 8}, "other_plugin": [1, 2]}}`
 	model := `"model": {"num_layers": 61, "num_kv_heads": 1, "block_size": 128, "dtype": "bfloat16", "num_blocks": 100, "mla": true, "kv_lora_rank": 512, "qk_rope_head_dim": 64}`
 	check := func(t *testing.T, c Config) {
 		t.Helper()
@@ -173,8 +173,11 @@ func TestLoadVLLMStyle(t *testing.T) {
 		if ex.Prefill.TPSize != 8 || ex.Prefill.DPSize != 2 || ex.Prefill.PPSize != 1 {
 			t.Errorf("prefill %+v", ex.Prefill)
 		}
-		if string(ex.Extra["use_ascend_direct"]) != "true" || string(ex.Decode.Extra["new_vllm_knob"]) != "[1, 2]" {
-			t.Errorf("unknown extra-config keys not preserved: %q %q", ex.Extra, ex.Decode.Extra)
+		if string(ex.Extra["use_ascend_direct"]) != "true" || string(ex.Extra["other_plugin"]) != "[1, 2]" {
+			t.Errorf("unknown extra-config keys not preserved: %q", ex.Extra)
+		}
+		if got := ex.UnknownExtraKeys(); !slices.Equal(got, []string{"other_plugin", "use_ascend_direct"}) {
+			t.Errorf("UnknownExtraKeys = %q", got)
 		}
 		if kv.KVBufferDevice == nil || *kv.KVBufferDevice != "npu" || kv.KVParallelSize == nil || *kv.KVParallelSize != 1 {
 			t.Errorf("vLLM-only fields not kept: %+v", kv)
@@ -186,7 +189,7 @@ func TestLoadVLLMStyle(t *testing.T) {
 		if err := c.Print(&buf); err != nil {
 			t.Fatal(err)
 		}
-		for _, s := range []string{`"use_ascend_direct": true`, `"new_vllm_knob": [`, `"kv_port": 20001`, `"kv_buffer_device": "npu"`} {
+		for _, s := range []string{`"use_ascend_direct": true`, `"other_plugin": [`, `"kv_port": 20001`, `"kv_buffer_device": "npu"`} {
 			if !strings.Contains(buf.String(), s) {
 				t.Errorf("Print lacks %s:\n%s", s, buf.String())
 			}
@@ -225,6 +228,14 @@ func TestLoadErrors(t *testing.T) {
 		{"ill-typed bool", `{"model": {"mla": "yes"}}`, []string{`model.mla: want true or false, got string "yes"`}},
 		{"ill-typed extra-config size", `{"kv_transfer_config": {"kv_connector_extra_config": {"decode": {"tp_size": "2"}}}}`,
 			[]string{`kv_transfer_config.kv_connector_extra_config.decode.tp_size: want an integer, got string "2"`}},
+		{"typo inside extra config prefill", `{"kv_transfer_config": {"kv_connector_extra_config": {"prefill": {"pp_szie": 2}}}}`,
+			[]string{`kv_transfer_config.kv_connector_extra_config.prefill.pp_szie: unknown field (did you mean "pp_size"?)`}},
+		{"unknown key inside extra config decode", `{"kv_transfer_config": {"kv_connector_extra_config": {"decode": {"new_knob": 1}}}}`,
+			[]string{`kv_transfer_config.kv_connector_extra_config.decode.new_knob: unknown field`}},
+		{"misspelt prefill", `{"kv_transfer_config": {"kv_connector_extra_config": {"prefil": {"tp_size": 2}}}}`,
+			[]string{`kv_transfer_config.kv_connector_extra_config.prefil: unknown field (did you mean "prefill"?)`}},
+		{"misspelt decode", `{"kv_transfer_config": {"kv_connector_extra_config": {"Decode": {"tp_size": 2}}}}`,
+			[]string{`kv_transfer_config.kv_connector_extra_config.Decode: unknown field (did you mean "decode"?)`}},
 		{"extra config not an object", `{"kv_transfer_config": {"kv_connector_extra_config": []}}`,
 			[]string{`kv_transfer_config.kv_connector_extra_config: want an object, got an array`}},
 		{"bad port string", `{"kv_transfer_config": {"kv_port": "20x01"}}`,
@@ -272,6 +283,7 @@ func TestLoadReportsEveryProblem(t *testing.T) {
 		"2:26: kv_transfer_config.kv_rol: unknown field",
 		"2:52: kv_transfer_config.kv_port: want a port number",
 		"3:68: kv_transfer_config.kv_connector_extra_config.prefill.tp_size: want an integer",
+		"3:73: kv_transfer_config.kv_connector_extra_config.prefill.bar: unknown field",
 		"4:27: model.num_layers: want an integer",
 		"4:41: model.dtype: want a string",
 		"5:3: modle: unknown field",
@@ -686,6 +698,44 @@ func TestParseErrors(t *testing.T) {
 			_, err := Parse(args, fs)
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Errorf("Parse(%q) = %v, want an error containing %q", args, err, tc.want)
+			}
+		})
+	}
+}
+
+// Two command-line sources of one kv_transfer_config setting that disagree
+// are an error, whatever their order; agreeing ones are not.
+func TestParseConflictingSources(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		args []string
+		want string // "" = no error
+	}{
+		{"kv_role vs --role", []string{"--kv-transfer-config", `{"kv_role":"kv_producer"}`, "--role", "decode"},
+			`kv_transfer_config.kv_role: conflicting values: --kv-transfer-config gives "kv_producer", --role gives "kv_consumer"`},
+		{"--role first", []string{"--role", "decode", "--kv-transfer-config", `{"kv_role":"kv_producer"}`},
+			`kv_transfer_config.kv_role: conflicting values: --role gives "kv_consumer", --kv-transfer-config gives "kv_producer"`},
+		{"same role twice", []string{"--kv-transfer-config", `{"kv_role":"kv_consumer"}`, "--role", "decode"}, ""},
+		{"kv_port string vs number agree", []string{"--kv-transfer-config", `{"kv_port":"20001"}`, "--kv-port", "20001"}, ""},
+		{"kv_port", []string{"--kv-port", "20002", "--kv-transfer-config", `{"kv_port":"20001"}`},
+			`kv_transfer_config.kv_port: conflicting values: --kv-port gives "20002", --kv-transfer-config gives "20001"`},
+		{"engine id", []string{"--engine-id", "a", "--kv-transfer-config", `{"engine_id":"b"}`}, `kv_transfer_config.engine_id: conflicting`},
+		{"extra config size", []string{"--kv-transfer-config", `{"kv_connector_extra_config":{"decode":{"tp_size":2}}}`, "--decode-tp", "4"},
+			`kv_transfer_config.kv_connector_extra_config.decode.tp_size: conflicting values`},
+		{"flag twice: the last wins", []string{"--role", "decode", "--role", "prefill"}, ""},
+		{"flag twice, then a conflicting source", []string{"--role", "decode", "--role", "prefill", "--kv-transfer-config", `{"kv_role":"kv_consumer"}`},
+			`--role gives "kv_producer", --kv-transfer-config gives "kv_consumer"`},
+		{"different fields", []string{"--kv-transfer-config", `{"kv_role":"kv_producer"}`, "--engine-id", "x", "--decode-tp", "2"}, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+			fs.SetOutput(io.Discard)
+			_, err := Parse(tc.args, fs)
+			switch {
+			case tc.want == "" && err != nil:
+				t.Errorf("Parse(%q): %v", tc.args, err)
+			case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+				t.Errorf("Parse(%q) = %v, want an error containing %q", tc.args, err, tc.want)
 			}
 		})
 	}

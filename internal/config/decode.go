@@ -14,8 +14,10 @@ import (
 // Load reads the JSON configuration file at path on top of Default. An empty
 // path returns Default. Every problem of the file is reported at once
 // (errors.Join of *FieldError), each with its position and JSON path:
-// syntax errors, unknown fields (except inside kv_connector_extra_config,
-// whose unknown keys are preserved), duplicate fields and ill-typed values.
+// syntax errors, unknown fields (except at the top of
+// kv_connector_extra_config, whose unknown keys other plugins own: they are
+// preserved, see UnknownExtraKeys, unless one is a near miss of prefill or
+// decode), duplicate fields and ill-typed values.
 // Load does not call Validate.
 func Load(path string) (Config, error) {
 	if path == "" {
@@ -161,6 +163,11 @@ func (d *decoder) value(path string, off int, raw []byte, v reflect.Value) {
 		switch {
 		case ok:
 			d.value(sub, valOff, val, v.Field(idx))
+		case extra >= 0 && suggest(key, fields) != "":
+			// A key kept for other plugins that is one or two edits
+			// from a known one is a typo ("prefil"): the setting would
+			// silently keep its default.
+			d.fail(keyOff, sub, fmt.Sprintf("unknown field (did you mean %q?)", suggest(key, fields)), nil)
 		case extra >= 0:
 			m := v.Field(extra)
 			if m.IsNil() {

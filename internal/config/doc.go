@@ -20,19 +20,25 @@
 // (Load) on top of Default, binds the flags of RegisterFlags to the loaded
 // values and parses the arguments, so a flag always wins over the file.
 // --kv-transfer-config takes vLLM's --kv-transfer-config JSON verbatim and
-// merges it into kv_transfer_config in command-line order.
+// merges it into kv_transfer_config in command-line order. Two command-line
+// sources of one kv_transfer_config setting that disagree (--role decode and
+// a --kv-transfer-config whose kv_role is kv_producer) are an error naming
+// both, whatever their order; one flag given twice keeps its last value.
 //
 // # The file
 //
 // JSON, one object: kv_transfer_config (vLLM's object as is: kv_port may be a
 // number or a string, every field vLLM defines is accepted and the unused
-// ones kept, unknown keys of kv_connector_extra_config and of its prefill and
-// decode objects are preserved and ignored), model, rank, cache, node,
+// ones kept; unknown keys at the top of kv_connector_extra_config belong to
+// other plugins and are preserved and ignored (UnknownExtraKeys lists them
+// for a warning), except a near miss of prefill or decode ("prefil"), which
+// is an error, as is any unknown key inside prefill and decode), model, rank, cache, node,
 // pipeline, handshake, read, notify, tracker, shutdown, log, auth. Absent
 // fields keep their defaults. Durations are Go duration strings ("30s").
 // Keys starting with "//" are comments and are dropped anywhere.
-// testdata/example-decode.json and testdata/example-prefill.json are
-// annotated examples.
+// deploy/examples/ holds annotated examples that run as written on one
+// machine; testdata/example-*.json are the decoder's fixtures (vLLM-style
+// spellings, multi-host values).
 //
 // Load and FromJSON report every problem of the document at once
 // (errors.Join of *FieldError), each with "file:line:col" and the JSON path:
@@ -72,6 +78,6 @@
 //   - never reads a file other than the one passed to Load or named by
 //     --config (key files and the cache file are opened by their users);
 //   - never panics on bad input (FuzzFromJSON); never silently ignores an
-//     unknown field outside kv_connector_extra_config;
+//     unknown field outside the top level of kv_connector_extra_config;
 //   - never stops at the first problem: the decoder and Validate report all.
 package config

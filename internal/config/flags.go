@@ -1,8 +1,10 @@
 package config
 
 import (
+	"encoding/json"
 	"errors"
 	"flag"
+	"fmt"
 	"io"
 	"strings"
 )
@@ -146,10 +148,171 @@ func Parse(args []string, fs *flag.FlagSet) (Config, error) {
 		fs.String(ConfigFlag, path, "JSON configuration file (flags override its fields)")
 	}
 	cfg.RegisterFlags(fs)
-	if err := fs.Parse(args); err != nil {
+	src := &sources{}
+	restore := src.watch(fs, &cfg.KVTransfer)
+	err = fs.Parse(args)
+	restore() // the flags' own types again, for PrintDefaults
+	if err != nil {
+		return Config{}, err
+	}
+	if err := src.conflicts(); err != nil {
 		return Config{}, err
 	}
 	return cfg, nil
+}
+
+// kvFlagPaths maps the flags that set a kv_transfer_config field to that
+// field's path inside kv_transfer_config, and a getter in a form both
+// sources share.
+var kvFlagPaths = func() map[string]kvField {
+	m := map[string]kvField{
+		"role":         {"kv_role", func(kv *KVTransferConfig) string { return kv.KVRole }},
+		"engine-id":    {"engine_id", func(kv *KVTransferConfig) string { return kv.EngineID }},
+		"kv-port":      {"kv_port", func(kv *KVTransferConfig) string { return kv.KVPort.String() }},
+		"kv-connector": {"kv_connector", func(kv *KVTransferConfig) string { return kv.KVConnector }},
+	}
+	for _, side := range []string{"prefill", "decode"} {
+		par := func(kv *KVTransferConfig) *Parallel {
+			if side == "prefill" {
+				return &kv.KVConnectorExtraConfig.Prefill
+			}
+			return &kv.KVConnectorExtraConfig.Decode
+		}
+		for _, f := range []struct {
+			flag, key string
+			get       func(*Parallel) int
+		}{
+			{"tp", "tp_size", func(p *Parallel) int { return p.TPSize }},
+			{"dp", "dp_size", func(p *Parallel) int { return p.DPSize }},
+			{"pp", "pp_size", func(p *Parallel) int { return p.PPSize }},
+			{"pcp", "pcp_size", func(p *Parallel) int { return p.PCPSize }},
+			{"dcp", "dcp_size", func(p *Parallel) int { return p.DCPSize }},
+		} {
+			m[side+"-"+f.flag] = kvField{"kv_connector_extra_config." + side + "." + f.key,
+				func(kv *KVTransferConfig) string { return fmt.Sprint(f.get(par(kv))) }}
+		}
+	}
+	return m
+}()
+
+type kvField struct {
+	path string // inside kv_transfer_config
+	get  func(*KVTransferConfig) string
+}
+
+// sources records, for each kv_transfer_config field set on the command
+// line, which flag set it to what, so that two flags giving one setting
+// different values (--kv-transfer-config '{"kv_role":"kv_producer"}' and
+// --role decode) are an error instead of the later one winning silently.
+// One flag given twice is not a conflict: the last one wins, as usual.
+type sources struct {
+	seen map[string]source // by path inside kv_transfer_config
+	errs []error
+}
+
+type source struct{ flag, value string }
+
+func (s *sources) record(path, flag, value string) {
+	if s.seen == nil {
+		s.seen = map[string]source{}
+	}
+	prev, ok := s.seen[path]
+	switch {
+	case !ok || prev.flag == flag:
+		// One flag given again wins, as flags do (a wrapper appending
+		// an override); two different flags must agree.
+		s.seen[path] = source{flag, value}
+	case prev.value != value:
+		s.errs = append(s.errs, &FieldError{Path: "kv_transfer_config." + path,
+			Msg: fmt.Sprintf("conflicting values: --%s gives %q, --%s gives %q (give the setting once)", prev.flag, prev.value, flag, value)})
+	}
+}
+
+func (s *sources) conflicts() error { return errors.Join(s.errs...) }
+
+// watch wraps fs's kv_transfer_config flags (registered by RegisterFlags
+// for kv) so that each Set is recorded; restore puts the flags' own values
+// back.
+func (s *sources) watch(fs *flag.FlagSet, kv *KVTransferConfig) (restore func()) {
+	orig := map[*flag.Flag]flag.Value{}
+	for name, field := range kvFlagPaths {
+		if f := fs.Lookup(name); f != nil {
+			orig[f] = f.Value
+			f.Value = &recorded{Value: f.Value, set: func() { s.record(field.path, name, field.get(kv)) }}
+		}
+	}
+	if f := fs.Lookup("kv-transfer-config"); f != nil {
+		orig[f] = f.Value
+		f.Value = &recordedKV{Value: f.Value, s: s}
+	}
+	return func() {
+		for f, v := range orig {
+			f.Value = v
+		}
+	}
+}
+
+// recorded is a flag.Value that calls set after each successful Set.
+type recorded struct {
+	flag.Value
+	set func()
+}
+
+// String is safe on a zero recorded (flag.PrintDefaults makes one).
+func (r *recorded) String() string {
+	if r == nil || r.Value == nil {
+		return ""
+	}
+	return r.Value.String()
+}
+
+func (r *recorded) Set(v string) error {
+	if err := r.Value.Set(v); err != nil {
+		return err
+	}
+	r.set()
+	return nil
+}
+
+// recordedKV records every field that a --kv-transfer-config object gives.
+type recordedKV struct {
+	flag.Value
+	s *sources
+}
+
+// String is safe on a zero recordedKV (flag.PrintDefaults makes one).
+func (r *recordedKV) String() string {
+	if r == nil || r.Value == nil {
+		return ""
+	}
+	return r.Value.String()
+}
+
+func (r *recordedKV) Set(v string) error {
+	if err := r.Value.Set(v); err != nil {
+		return err
+	}
+	var own KVTransferConfig
+	_ = decodeKVTransfer(&own, []byte(v), "--kv-transfer-config") // decoded without error just above
+	for _, field := range kvFlagPaths {
+		if jsonHas([]byte(v), strings.Split(field.path, ".")) {
+			r.s.record(field.path, "kv-transfer-config", field.get(&own))
+		}
+	}
+	return nil
+}
+
+// jsonHas reports whether the JSON object doc has the member at path.
+func jsonHas(doc []byte, path []string) bool {
+	var m map[string]json.RawMessage
+	if json.Unmarshal(doc, &m) != nil {
+		return false
+	}
+	v, ok := m[path[0]]
+	if !ok || len(path) == 1 {
+		return ok
+	}
+	return jsonHas(v, path[1:])
 }
 
 // findConfig parses args once with a throw-away flag set that knows every

@@ -104,17 +104,6 @@ func (d *Duration) Set(s string) error {
 	return nil
 }
 
-// MarshalJSON writes the known fields, then the preserved unknown keys in
-// sorted order.
-func (p Parallel) MarshalJSON() ([]byte, error) {
-	type plain Parallel
-	b, err := json.Marshal(plain(p))
-	if err != nil {
-		return nil, err
-	}
-	return appendExtra(b, p.Extra)
-}
-
 // MarshalJSON writes prefill and decode, then the preserved unknown keys in
 // sorted order.
 func (e ExtraConfig) MarshalJSON() ([]byte, error) {
@@ -279,4 +268,17 @@ func (g *GrantsMode) IsBoolFlag() bool { return true }
 // Valid reports whether g is one of the modes ("" reads as auto).
 func (g GrantsMode) Valid() bool {
 	return g == "" || g == GrantsAuto || g == GrantsOn || g == GrantsOff
+}
+
+// UnknownExtraKeys lists, sorted, the keys of kv_connector_extra_config
+// other than prefill and decode: other plugins' settings, which kvflow
+// keeps but never reads. serve logs them once at warn, so that a key meant
+// for kvflow in the wrong place is seen.
+func (e ExtraConfig) UnknownExtraKeys() []string {
+	keys := make([]string, 0, len(e.Extra))
+	for k := range e.Extra {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"reflect"
 	"strings"
 	"time"
 
@@ -154,7 +155,7 @@ func Decode(b []byte) (Request, error) {
 		RequestIDs []string           `msgpack:"request_ids"`
 	}
 	if err := msgpack.Unmarshal(b, &raw); err != nil {
-		return Request{}, fmt.Errorf("%w: %v", ErrBadRequest, err)
+		return Request{}, fmt.Errorf("%w: %v", ErrBadRequest, fieldError(b, reflect.TypeOf(raw), "", err))
 	}
 	r := Request{Op: raw.Op, RequestIDs: raw.RequestIDs}
 	if len(r.RequestIDs) > MaxRequests {
@@ -257,10 +258,104 @@ func decodeList[T any](b msgpack.RawMessage, out *[]T, required []key) error {
 			return fmt.Errorf("%w: requests[%d]: %v", ErrBadRequest, i, err)
 		}
 		if err := msgpack.Unmarshal(e, &(*out)[i]); err != nil {
-			return fmt.Errorf("%w: requests[%d]: %v", ErrBadRequest, i, err)
+			return fmt.Errorf("%w: %v", ErrBadRequest, fieldError(e, reflect.TypeFor[T](), fmt.Sprintf("requests[%d].", i), err))
 		}
 	}
 	return nil
+}
+
+// fieldError names the field of a message that failed to decode into t
+// (err is the decoder's, which names only the types): it decodes each
+// field of the map b on its own, recursing into structs, and reports the
+// first that fails as "path: want T, got K (err)". Without a culprit it
+// returns prefix and err.
+func fieldError(b []byte, t reflect.Type, prefix string, err error) error {
+	if path, want, got, ok := findField(b, t, prefix); ok {
+		return fmt.Errorf("%s: want %s, got %s (%v)", path, want, got, err)
+	}
+	return fmt.Errorf("%s%v", prefix, err)
+}
+
+func findField(b []byte, t reflect.Type, prefix string) (path, want, got string, ok bool) {
+	if t.Kind() != reflect.Struct || len(b) == 0 || !isMap(b[0]) {
+		return "", "", "", false
+	}
+	var m map[string]msgpack.RawMessage
+	if msgpack.Unmarshal(b, &m) != nil {
+		return "", "", "", false
+	}
+	for i := range t.NumField() {
+		f := t.Field(i)
+		name, _, _ := strings.Cut(f.Tag.Get("msgpack"), ",")
+		if name == "-" || !f.IsExported() {
+			continue
+		}
+		if name == "" {
+			name = f.Name
+		}
+		raw, present := m[name]
+		if !present {
+			continue
+		}
+		if msgpack.Unmarshal(raw, reflect.New(f.Type).Interface()) == nil {
+			continue
+		}
+		if p, w, g, ok := findField(raw, f.Type, prefix+name+"."); ok {
+			return p, w, g, true
+		}
+		return prefix + name, kindName(f.Type), codeName(raw), true
+	}
+	return "", "", "", false
+}
+
+// kindName names what a Go type accepts, for error messages.
+func kindName(t reflect.Type) string {
+	switch t.Kind() {
+	case reflect.String:
+		return "a string"
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
+		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		return "an integer"
+	case reflect.Float32, reflect.Float64:
+		return "a number"
+	case reflect.Bool:
+		return "a boolean"
+	case reflect.Slice, reflect.Array:
+		if t.Elem().Kind() == reflect.Uint8 {
+			return "bytes"
+		}
+		return "an array of " + strings.TrimPrefix(strings.TrimPrefix(kindName(t.Elem()), "an "), "a ") + "s"
+	case reflect.Struct, reflect.Map:
+		return "a map"
+	}
+	return t.String()
+}
+
+// codeName names the msgpack type of the value starting at raw[0].
+func codeName(raw []byte) string {
+	if len(raw) == 0 {
+		return "nothing"
+	}
+	c := raw[0]
+	switch {
+	case c == msgpcode.Nil:
+		return "nil"
+	case c == msgpcode.True || c == msgpcode.False:
+		return "a boolean"
+	case msgpcode.IsFixedNum(c) || (c >= msgpcode.Uint8 && c <= msgpcode.Int64):
+		return "an integer"
+	case c == msgpcode.Float || c == msgpcode.Double:
+		return "a float"
+	case msgpcode.IsString(c):
+		return "a string"
+	case msgpcode.IsBin(c):
+		return "bytes"
+	case msgpcode.IsFixedArray(c) || c == msgpcode.Array16 || c == msgpcode.Array32:
+		return "an array"
+	case isMap(c):
+		return "a map"
+	}
+	return fmt.Sprintf("msgpack code %#02x", c)
 }
 
 // checkKeys checks that e is a map holding every required key (and, for a

@@ -35,7 +35,25 @@ type Summary struct {
 	Bytes                  int64 // bytes landed on decode ranks, verified
 	BadBytes               int64
 	Wall                   time.Duration
-	Latencies              []time.Duration
+	// Latencies are the driver's view of each done request: from handing
+	// the load to the workers to seeing it done in a finished poll. They
+	// include queueing behind the requests in flight and the driver's own
+	// work between polls (Fill and Check).
+	Latencies []time.Duration
+	// Fill and Check are the time this driver spent, in its one loop,
+	// writing the prefill blocks and verifying every landed byte: part of
+	// Wall, no part of kvflow's transfer.
+	Fill, Check time.Duration
+	// WorkerP50 and WorkerP99 (seconds, NaN without samples) are the
+	// decode workers' own request latency, load to end
+	// (kvflow_decode_request_duration_seconds{outcome="done"}): no driver
+	// time in it.
+	WorkerP50, WorkerP99 float64
+	// ReadBytes and ReadSeconds are the decode workers' bytes read
+	// (kvflow_read_bytes_total) and the read stage's summed item time
+	// (kvflow_stage_duration_seconds{stage="read"} _sum): their ratio is
+	// the transfer rate of one request while it reads.
+	ReadBytes, ReadSeconds float64
 	Stages                 []StageLatency
 	Failures               []string
 }
@@ -116,6 +134,7 @@ func (d *driver) run(ctx context.Context) (*Summary, error) {
 				decodeDone: map[int]bool{}, prefillFreed: map[int]bool{}}
 			// The prefill ranks "compute" their blocks in parallel, as
 			// their devices would.
+			t0 := time.Now()
 			var fill sync.WaitGroup
 			for _, p := range d.prefill {
 				fill.Go(func() {
@@ -123,6 +142,7 @@ func (d *driver) run(ctx context.Context) (*Summary, error) {
 				})
 			}
 			fill.Wait()
+			s.Fill += time.Since(t0)
 			r.params = psched.requestFinished(r.id, remote, time.Now())
 			dsched.updateStateAfterAlloc(r.id, local, r.params)
 			byID[r.id] = r
@@ -192,6 +212,7 @@ func (d *driver) run(ctx context.Context) (*Summary, error) {
 				if len(r.failed) == 0 {
 					s.Latencies = append(s.Latencies, r.latency)
 					// Check every decode rank's blocks, ranks in parallel.
+					t0 := time.Now()
 					bads := make([]int64, len(d.decode))
 					errs := make([]error, len(d.decode))
 					var check sync.WaitGroup
@@ -209,6 +230,7 @@ func (d *driver) run(ctx context.Context) (*Summary, error) {
 						})
 					}
 					check.Wait()
+					s.Check += time.Since(t0)
 					before := s.BadBytes
 					for k := range d.decode {
 						s.BadBytes += bads[k]
@@ -250,7 +272,7 @@ func (d *driver) run(ctx context.Context) (*Summary, error) {
 	}
 	// Wait for the prefill side to free what is left (not needed for the
 	// verdict, but the demo shows frees too).
-	s.Stages = d.stageLatencies(ctx)
+	d.workerMetrics(ctx, s)
 	if !s.OK() {
 		return s, errors.New("demo: verification failed")
 	}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"net"
 	"sync"
 	"time"
 
@@ -201,7 +202,7 @@ func NewClient(zctx *Context, opts ClientOptions) (*Client, error) {
 		zctx:        zctx,
 		opts:        opts,
 		curve:       curve,
-		log:         log.With("role", roleClient),
+		log:         log.With("side", roleClient),
 		m:           zctx.metrics,
 		peers:       map[string]*peer{},
 		janitorStop: make(chan struct{}),
@@ -427,6 +428,25 @@ func newMsgID() uint64 {
 	}
 }
 
+// resolveProblem is the DNS failure of hostPort's host, or nil when it is
+// an IP address or resolves (within 2 s).
+func resolveProblem(ctx context.Context, hostPort string) error {
+	host, _, err := net.SplitHostPort(hostPort)
+	if err != nil || net.ParseIP(host) != nil {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+	defer cancel()
+	if _, err := net.DefaultResolver.LookupHost(ctx, host); err != nil {
+		var dns *net.DNSError
+		if errors.As(err, &dns) && dns.IsTimeout {
+			return nil // DNS slow, not known bad: keep the timeout
+		}
+		return err
+	}
+	return nil
+}
+
 // errAttemptTimeout: one attempt got no reply in time (retryable).
 var errAttemptTimeout = errors.New("no reply within attempt timeout")
 
@@ -515,6 +535,13 @@ func (c *Client) callOn(ctx context.Context, op string, p *peer, payload []byte,
 	}
 	if errors.Is(last, errAttemptTimeout) {
 		outcome = outcomeTimeout
+		// ZMQ resolves a host name in the background and retries
+		// forever, so a name that does not resolve looks like a silent
+		// peer: on this (slow) path only, ask DNS and name its failure.
+		if dnsErr := resolveProblem(ctx, ep.key); dnsErr != nil {
+			return fmt.Errorf("sidechannel %s %s: %w: host does not resolve: %w (no reply after %d attempts of %v)",
+				op, ep.key, ErrTimeout, dnsErr, attempts, c.opts.AttemptTimeout)
+		}
 		return fmt.Errorf("sidechannel %s %s: %w: no reply after %d attempts of %v", op, ep.key, ErrTimeout, attempts, c.opts.AttemptTimeout)
 	}
 	if errors.Is(last, ErrClosed) {

@@ -258,7 +258,7 @@ func newServer(zctx *Context, opts ServerOptions, ep endpoint, h Handler, raw Ra
 		s.bgKick, s.bgStop, s.bgDone = make(chan struct{}, 1), make(chan struct{}), make(chan struct{})
 		go s.background()
 	}
-	s.log = log.With("role", roleServer, "addr", s.addr)
+	s.log = log.With("side", roleServer, "addr", s.addr)
 	if err = zctx.register(s); err != nil {
 		return nil, err
 	}

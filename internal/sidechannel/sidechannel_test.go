@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"net"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -874,5 +875,34 @@ func TestRenew(t *testing.T) {
 		if _, err := c.GetMeta(ctx, s2.Addr()); err != nil {
 			t.Fatalf("%s: server must keep serving: %v", name, err)
 		}
+	}
+}
+
+// A peer whose host name does not resolve is reported as such, not as a
+// bare "no reply" (ZMQ resolves in the background and never says); the
+// error is still ErrTimeout for callers that retry on it.
+func TestUnresolvableHostNamed(t *testing.T) {
+	zctx, err := NewContext(ContextOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer zctx.Close()
+	opts := fastClientOpts()
+	opts.Attempts, opts.AttemptTimeout = 1, 100*time.Millisecond
+	c, err := NewClient(zctx, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_, err = c.GetMeta(context.Background(), "kvflow-no-such-host.invalid:20001")
+	var dns *net.DNSError
+	if !errors.Is(err, ErrTimeout) || !errors.As(err, &dns) ||
+		!strings.Contains(err.Error(), "host does not resolve: lookup kvflow-no-such-host.invalid") {
+		t.Fatalf("GetMeta = %v", err)
+	}
+	// An IP that does not answer is a plain timeout.
+	_, err = c.GetMeta(context.Background(), "127.0.0.1:1")
+	if !errors.Is(err, ErrTimeout) || strings.Contains(err.Error(), "resolve") {
+		t.Fatalf("GetMeta(127.0.0.1:1) = %v", err)
 	}
 }

@@ -39,7 +39,10 @@ var ErrFailed = errors.New("bench e2e: requests failed or bytes differ")
 // is allocated.
 func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("bench e2e", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	// Errors are returned (the caller prints them once); -h prints the
+	// flags on stdout.
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
 	workload := fs.String("workload", All, "workload: "+strings.Join(Names(), ", ")+" or all (all: long, batch and burst at TP 1→1 and 4→2, mixed and small at 1→1)")
 	requests := fs.Int("requests", 0, "requests (mixed: long requests); 0 = the preset's")
 	blocks := fs.Int("blocks", 0, "blocks per request (small: at most; mixed: of the long requests); 0 = the preset's")
@@ -56,12 +59,18 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	timeout := fs.Duration("timeout", 5*time.Minute, "bound on one run")
 	asJSON := fs.Bool("json", false, "print JSON instead of tables")
 	verbose := fs.Bool("v", false, "log the workers at info level (in-process: to stderr; processes: to their logs in the work dir)")
-	inProcess := fs.Bool("in-process", false, "run the workers in this process (node.Start per rank) instead of as `kvflow serve` processes")
-	exe := fs.String("exe", "", "the kvflow binary the workers run as `kvflow serve` (default: this executable)")
+	inProcess := fs.Bool("in-process", false, "run the workers in this process (node.Start per rank) instead of as kvflow serve processes")
+	exe := fs.String("exe", "", "the kvflow `binary` the workers run as \"kvflow serve\" (default: this executable)")
 	netemSpec := fs.String("netem", "", `shape the link between prefill and decode, e.g. "delay 1ms": each side in its own network namespace (root, iproute2; kernel netem, else a netfilter-queue delay (iptables), else a userspace delay relay); process mode only`)
 	netemMode := fs.String("netem-mode", "auto", "how --netem delays: auto, kernel (tc netem), queue (iptables NFQUEUE, verdicts from this process) or relay (userspace delay relay)")
 	plotPath := fs.String("plot", "", "also draw per-stage latency and throughput to this SVG file")
 	if err := clierr.ParseFlags(fs, args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			fmt.Fprint(stdout, "usage: kvflow bench e2e [flags]\n\nflags:\n")
+			fs.SetOutput(stdout)
+			fs.PrintDefaults()
+			fs.SetOutput(io.Discard)
+		}
 		return err
 	}
 	set := map[string]bool{}

@@ -37,7 +37,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	o.register(fs)
 	if err := clierr.ParseFlags(fs, args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			printUsage(fs, stderr)
+			printUsage(fs, stdout)
 		}
 		return err
 	}

@@ -256,13 +256,13 @@ func TestBadFlags(t *testing.T) {
 }
 
 func TestHelp(t *testing.T) {
-	var stderr bytes.Buffer
-	err := Run(context.Background(), []string{"-h"}, &bytes.Buffer{}, &stderr)
+	var stdout, stderr bytes.Buffer
+	err := Run(context.Background(), []string{"-h"}, &stdout, &stderr)
 	if !errors.Is(err, flag.ErrHelp) || clierr.IsUsage(err) {
 		t.Fatalf("Run(-h) = %v", err)
 	}
 	for _, w := range []string{"usage: kvflow bench te", "-segment_id", "-block_size", "-no-verify", "-remote_addr"} {
-		if !strings.Contains(stderr.String(), w) {
+		if !strings.Contains(stdout.String(), w) || stderr.Len() > 0 {
 			t.Errorf("help lacks %q", w)
 		}
 	}

@@ -40,7 +40,7 @@
 // Run returns a *clierr.UsageError (exit 2) for bad flags, an invalid
 // configuration and a request plan.PlanRequest or plan.Ops refuses (package
 // plan's request field names are rewritten to the flags: --local-blocks,
-// ...); flag.ErrHelp for -h, after printing the flag list to stderr; a write
+// ...); flag.ErrHelp for -h, after printing the flag list to stdout; a write
 // error otherwise. The table goes to stdout through text/tabwriter; --json
 // prints the same report as one indented JSON object (lists never null).
 //

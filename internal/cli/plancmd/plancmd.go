@@ -62,7 +62,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs.SetOutput(io.Discard)
 	cfg, err := config.Parse(args, fs)
 	if errors.Is(err, flag.ErrHelp) {
-		printUsage(fs, stderr)
+		printUsage(fs, stdout)
 		return err
 	}
 	if err != nil {

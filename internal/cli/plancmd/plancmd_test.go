@@ -120,7 +120,7 @@ func TestRunHelp(t *testing.T) {
 		t.Fatalf("Run(-h) = %v, want flag.ErrHelp", err)
 	}
 	for _, w := range []string{"usage: kvflow plan", "-request-id", "-local-blocks", "-decode-rank", "-prefill-tp"} {
-		if !strings.Contains(stderr.String(), w) {
+		if !strings.Contains(stdout.String(), w) || stderr.Len() > 0 {
 			t.Errorf("help lacks %q", w)
 		}
 	}
