@@ -1,6 +1,7 @@
 package decode
 
 import (
+	"context"
 	"errors"
 	"strings"
 	"sync/atomic"
@@ -10,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/kvflow/kvflow/stages/job"
+	"github.com/kvflow/kvflow/stages/plan"
 )
 
 // leaseMap is a leaseView: request id → endpoint → its hold.
@@ -138,7 +140,7 @@ func TestWorkerStaleReadGuard(t *testing.T) {
 		stale bool
 	}{
 		{"no lease: refused", 0, true},
-		{"leased: read", 90 * time.Millisecond, false},
+		{"leased: read", time.Second, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := newPeerFetcher(tc.ttl)
@@ -167,6 +169,81 @@ func TestWorkerStaleReadGuard(t *testing.T) {
 			}
 			if n, err := testutil.GatherAndCount(reg, "kvflow_decode_stale_reads_refused_total"); err != nil || n != 1 {
 				t.Fatalf("metric: %d series, %v", n, err)
+			}
+		})
+	}
+}
+
+// cutRenewer acknowledges RENEWs until cut is set, then fails them (the
+// side channel is gone).
+type cutRenewer struct{ cut atomic.Bool }
+
+func (c *cutRenewer) Renew(ctx context.Context, _ string, _ []string) error {
+	if c.cut.Load() {
+		return errors.New("side channel cut")
+	}
+	return nil
+}
+
+// A read that started while the lease held and ended after it may have
+// run out (RENEWs failing meanwhile) fails: the prefill may have freed and
+// reused the blocks while they were read. With RENEWs acknowledged the
+// same long read ends done.
+func TestLeaseLostDuringRead(t *testing.T) {
+	const ttl = time.Second // renewed every 333 ms, trusted for 800 ms after an ACK
+	for _, tc := range []struct {
+		name string
+		cut  bool
+	}{
+		{"renewals fail during the read", true},
+		{"renewals acknowledged", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rn := &cutRenewer{}
+			started, release := make(chan struct{}), make(chan struct{})
+			w, reg := admissionWorker(t, newPeerFetcher(ttl), rn, new(atomic.Int32), StageSizes{}, func(o *Options) {
+				o.Transfer = transferFunc(func(ctx context.Context, _ string, _ []plan.Op) error {
+					close(started)
+					select {
+					case <-release:
+						return nil
+					case <-ctx.Done():
+						return ctx.Err()
+					}
+				})
+			})
+			mustLoad(t, w, loadReq("r", portPeer))
+			<-started
+			rn.cut.Store(tc.cut)
+			// Hold the read until the lease is no longer trusted (cut), or
+			// for longer than a TTL with renewals going.
+			start := time.Now()
+			for deadline := start.Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+				h, ok := w.rn.leaseOf("r", ep(portPeer))
+				if !ok {
+					t.Fatal("r not leased")
+				}
+				if tc.cut && holdErr(h, time.Now(), 0, "", "ended") != nil || !tc.cut && time.Since(start) > ttl+ttl/5 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("hold %+v still trusted", h)
+				}
+			}
+			close(release)
+			done, failed := waitEnded(t, w, "r")
+			lost := testutil.ToFloat64(w.lost)
+			if !tc.cut {
+				if len(done) != 1 || lost != 0 {
+					t.Fatalf("done %v failed %+v, %v lost", done, failed, lost)
+				}
+				return
+			}
+			if len(failed) != 1 || !strings.Contains(failed[0].Reason, "lease not renewed") || !strings.Contains(failed[0].Reason, "read ended when no RENEW acknowledged") {
+				t.Fatalf("done %v failed %+v, want r failed after its read", done, failed)
+			}
+			if n, err := testutil.GatherAndCount(reg, "kvflow_decode_lease_lost_reads_total"); err != nil || n != 1 || lost != 1 {
+				t.Fatalf("metric: %d series, %v lost, %v", n, lost, err)
 			}
 		})
 	}
