@@ -139,7 +139,9 @@
 // All of this runs once per connection, at accept or when it goes idle;
 // the request path is unchanged. An initiator drops a lane idle for
 // IdleTimeout/2 and dials afresh, so it never sends on a connection a
-// kvflow target with the same setting is closing. Under a flood, lanes
+// kvflow target with the same setting is closing. A lane also redials
+// when the peer was handshaken again since it connected (the peer may be
+// a new process on the same RPC port). Under a flood, lanes
 // already open keep working; a new lane may be refused, which fails the
 // op it carried. What remains open to an outsider: occupying the caps
 // (up to MaxConns per port from MaxConns/MaxConnsPerPeer addresses)

@@ -483,6 +483,16 @@ type peer struct {
 	desc     *SegmentDesc
 	dataAddr string
 	stale    bool // a data dial failed: handshake again before the next batch
+
+	// gen counts the peer's re-handshakes (written under mu, read by the
+	// lanes without it). A re-handshake means the peer may be another
+	// process now (a restart on the same RPC port: other buffers, another
+	// data port, or the same port with none of our connections): a lane
+	// whose connection was dialed at an older generation drops it before
+	// it next takes a request on an idle connection (lane.admit), so a
+	// batch after the re-handshake never goes out on the old process's
+	// connections. Checked once per lane acquisition, not per op.
+	gen atomic.Uint64
 }
 
 func parseSession(session string) (string, int, error) {
@@ -530,6 +540,10 @@ func (e *TCPEngine) peer(ctx context.Context, session string) (*peer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("handshake %s: %w", session, err)
 	}
+	if p.desc != nil {
+		// A re-handshake (the peer was marked stale): every lane redials.
+		p.gen.Add(1)
+	}
 	p.desc, p.stale = d, false
 	p.dataAddr = net.JoinHostPort(host, strconv.Itoa(d.TCPDataPort))
 	e.log.Debug("handshake done", "peer", session, "data_port", d.TCPDataPort, "proto_version", d.TCPProtoVersion, "buffers", len(d.Buffers))
@@ -576,11 +590,12 @@ func (e *TCPEngine) handshake(ctx context.Context, host string, port int) (*Segm
 	return DecodeSegment(payload)
 }
 
-// target returns the data address and framing to use.
-func (p *peer) target() (string, bool) {
+// target returns the data address and framing to use, and the
+// handshake generation they belong to.
+func (p *peer) target() (string, bool, uint64) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.dataAddr, p.desc != nil && p.desc.TCPProtoVersion >= 2
+	return p.dataAddr, p.desc != nil && p.desc.TCPProtoVersion >= 2, p.gen.Load()
 }
 
 // buffers returns the peer's registered buffers from its segment
@@ -626,6 +641,7 @@ type lane struct {
 	aborted bool      // interrupt cut conn for a cancelled batch
 	win     []*task   // requests sent on conn and not yet finished, oldest first
 	armedAt time.Time // when arm last moved conn's deadline (zero: never, on this conn)
+	gen     uint64    // the peer's handshake generation conn was dialed at (peer.gen)
 
 	// Owned by the lane's goroutine.
 	retry  []*task       // requests to send again, before new ones
@@ -719,8 +735,11 @@ func (l *lane) admit(t *task) bool {
 		t.finish(ErrNotAttempted)
 		return false
 	}
-	if l.conn != nil && len(l.win) == 0 && l.idleTooLong() {
-		l.dropConn() // the target may be about to close it: dial afresh
+	if l.conn != nil && len(l.win) == 0 && (l.gen != l.p.gen.Load() || l.idleTooLong()) {
+		// The peer handshook again since conn was dialed (it may be a new
+		// process: conn may reach the old one), or the target may be about
+		// to close conn: dial afresh.
+		l.dropConn()
 	}
 	if l.conn == nil {
 		if err := l.dial(b); err != nil {
@@ -1042,7 +1061,7 @@ func (l *lane) dropConn() {
 
 func (l *lane) dial(b *batch) error {
 	e := l.p.e
-	addr, v2 := l.p.target()
+	addr, v2, gen := l.p.target()
 	ctx, cancel := context.WithTimeout(b.ctx, e.cfg.ConnectTimeout)
 	defer cancel()
 	defer context.AfterFunc(e.ctx, cancel)()
@@ -1061,7 +1080,7 @@ func (l *lane) dial(b *batch) error {
 		c.Close()
 		return ErrClosed
 	}
-	l.conn, l.v2, l.armedAt = c, v2, time.Time{}
+	l.conn, l.v2, l.armedAt, l.gen = c, v2, time.Time{}, gen
 	l.mu.Unlock()
 	if l.br == nil {
 		l.br = bufio.NewReaderSize(c, laneBuf)

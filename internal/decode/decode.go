@@ -81,9 +81,10 @@ type Options struct {
 	// would start more than this after its admission from a rank that
 	// advertised no lease fails instead of reading (ErrStaleRead): the
 	// prefill may have force-freed those blocks and reused them, and the
-	// read would then land another request's bytes. Leased ranks are not
-	// checked when Renewer is set (the lease, renewed, holds their
-	// blocks); without a Renewer every rank is. 0: no check (the seed's
+	// read would then land another request's bytes. Ranks this worker
+	// renews leases at (Renewer set) are checked by their leases instead
+	// (ErrLeaseLost, whatever this setting); without a Renewer every rank
+	// is checked by this timeout. 0: no abort-timeout check (the seed's
 	// behaviour).
 	PeerAbortTimeout time.Duration
 	Layout           plan.CacheLayout
@@ -156,6 +157,12 @@ var (
 	// prefill's abort timeout at a rank without a lease
 	// (Options.PeerAbortTimeout).
 	ErrStaleRead = errors.New("decode: stale read refused")
+	// ErrLeaseLost fails a request whose lease at a prefill rank this
+	// worker renews cannot be shown to hold: no RENEW of it was
+	// acknowledged for the lease TTL less a margin, or an ACK came back
+	// only after that (the prefill frees a renewed request one TTL after
+	// its last renewal). It is an ErrStaleRead.
+	ErrLeaseLost = fmt.Errorf("%w: lease not renewed", ErrStaleRead)
 )
 
 // Worker is one decode worker.
@@ -191,6 +198,7 @@ type Worker struct {
 	latency  *prometheus.HistogramVec
 	bytes    prometheus.Counter
 	stale    prometheus.Counter
+	lost     prometheus.Counter // reads refused or discarded for a lease not shown to hold
 }
 
 // New builds and starts the worker's pipeline.
@@ -243,11 +251,15 @@ func New(o Options) (*Worker, error) {
 		Name: "kvflow_decode_stale_reads_refused_total",
 		Help: "Requests failed instead of read because their read would start past the prefill's abort timeout at a rank without a lease (blocks may have been freed).",
 	})
+	w.lost = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvflow_decode_lease_lost_reads_total",
+		Help: "Requests failed instead of read, or after their read, because no RENEW of theirs at a leased prefill rank was acknowledged within the lease TTL less a margin (the prefill may have freed the blocks).",
+	})
 	w.shutdownDones = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_decode_shutdown_dones_total",
 		Help: "DONEs sent at shutdown for requests canceled before their notify stage (the prefill then frees their blocks at once), by result (acked, failed).",
 	}, []string{"result"})
-	for _, c := range []prometheus.Collector{w.requests, w.latency, w.bytes, w.stale, w.shutdownDones} {
+	for _, c := range []prometheus.Collector{w.requests, w.latency, w.bytes, w.stale, w.lost, w.shutdownDones} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("decode: register metrics: %w", err)
 		}
@@ -298,14 +310,10 @@ func New(o Options) (*Worker, error) {
 			return fresh, nil
 		},
 		BeforeRetry: func(j *job.Job, i int) error {
-			if o.PeerAbortTimeout <= 0 {
+			if w.rn == nil && o.PeerAbortTimeout <= 0 {
 				return nil
 			}
-			if err := staleTask(j, i, o.PeerAbortTimeout, time.Now(), o.Renewer != nil); err != nil {
-				w.stale.Inc()
-				return err
-			}
-			return nil
+			return w.guard().check(j, i)
 		},
 	})
 	if err != nil {
@@ -315,11 +323,6 @@ func New(o Options) (*Worker, error) {
 	if err != nil {
 		return nil, err
 	}
-	var rdStage pipeline.Stage[*job.Job] = rd
-	if o.PeerAbortTimeout > 0 {
-		// A lease protects only when this worker renews it.
-		rdStage = staleGuard{Stage: rd, abort: o.PeerAbortTimeout, now: time.Now, refused: w.stale, renewing: o.Renewer != nil}
-	}
 	st := o.Stages
 	var hsStage pipeline.Stage[*job.Job] = hsCheck
 	if o.Renewer != nil {
@@ -327,6 +330,10 @@ func New(o Options) (*Worker, error) {
 			return nil, fmt.Errorf("decode: register metrics: %w", err)
 		}
 		hsStage = leaseStage{Stage: hsCheck, rn: w.rn}
+	}
+	var rdStage pipeline.Stage[*job.Job] = rd
+	if o.PeerAbortTimeout > 0 || w.rn != nil {
+		rdStage = w.guard(rd)
 	}
 	p, err := pipeline.New(pipeline.Config[*job.Job]{
 		Stages: []pipeline.StageConfig[*job.Job]{
@@ -557,48 +564,131 @@ func (w *Worker) sendReleases(ctx context.Context, rel []release) {
 	w.log.Info("sent DONEs for requests canceled at shutdown", "requests", len(rel), "acked", acked.Load(), "failed", failed.Load())
 }
 
-// staleGuard is the read stage behind the stale-read check
-// (Options.PeerAbortTimeout).
+// guard is the worker's stale-read guard around stage (nil: the check
+// alone, for BeforeRetry).
+func (w *Worker) guard(stage ...pipeline.Stage[*job.Job]) staleGuard {
+	g := staleGuard{abort: w.opts.PeerAbortTimeout, now: time.Now, refused: w.stale, lost: w.lost}
+	if len(stage) > 0 {
+		g.Stage = stage[0]
+	}
+	if w.rn != nil {
+		// A lease protects only when this worker renews it.
+		g.leases = w.rn
+	}
+	return g
+}
+
+// staleGuard is the read stage behind the stale-read checks: the abort
+// timeout at ranks without a lease this worker renews
+// (Options.PeerAbortTimeout), the lease at the others (Options.Renewer).
+// A read is refused when it would start past either; one that started in
+// time and ended past a lease fails too (the prefill may have freed and
+// reused the blocks while it ran). Notify still sends the DONEs.
 type staleGuard struct {
 	pipeline.Stage[*job.Job]
-	abort    time.Duration
-	now      func() time.Time
-	refused  prometheus.Counter
-	renewing bool // leases are renewed (Options.Renewer): leased ranks are exempt
+	abort   time.Duration
+	now     func() time.Time
+	leases  leaseView // nil: no Renewer
+	refused prometheus.Counter
+	lost    prometheus.Counter
 }
 
 func (s staleGuard) Process(ctx context.Context, j *job.Job) error {
-	if err := staleRead(j, s.abort, s.now(), s.renewing); err != nil {
-		s.refused.Inc()
+	if err := s.checkAll(j, "started"); err != nil {
 		return err
 	}
-	return s.Stage.Process(ctx, j)
+	if err := s.Stage.Process(ctx, j); err != nil {
+		return err
+	}
+	return s.checkLeases(j)
 }
 
-// staleRead is ErrStaleRead, with its reason, if j's read starting at now
-// cannot be trusted: now is past abort after j's admission and a task's
-// rank holds its blocks by no lease this worker renews (it advertised
-// none, or renewing is off), so the prefill may have force-freed them (it
-// started its own timer before j was admitted here) and given them to
-// another request.
-func staleRead(j *job.Job, abort time.Duration, now time.Time, renewing bool) error {
+// check is the guard for task i alone (a read retried after its peer
+// restarted: j.Metas[i] is the re-fetched metadata), counted.
+func (s staleGuard) check(j *job.Job, i int) error {
+	return s.count(staleTask(j, i, s.abort, s.now(), s.leases, "started"))
+}
+
+func (s staleGuard) checkAll(j *job.Job, when string) error {
+	return s.count(staleRead(j, s.abort, s.now(), s.leases, when))
+}
+
+// checkLeases re-checks j's leases once its read ended: the bytes came
+// from blocks the prefill held throughout only if the leases still hold.
+func (s staleGuard) checkLeases(j *job.Job) error {
+	if s.leases == nil {
+		return nil
+	}
+	return s.checkAll(j, "ended")
+}
+
+func (s staleGuard) count(err error) error {
+	switch {
+	case err == nil:
+	case errors.Is(err, ErrLeaseLost):
+		s.lost.Inc()
+	default:
+		s.refused.Inc()
+	}
+	return err
+}
+
+// staleRead is ErrStaleRead, with its reason, if j's read starting (or,
+// when is "ended", ending) at now cannot be trusted at some task's rank
+// (staleTask).
+func staleRead(j *job.Job, abort time.Duration, now time.Time, leases leaseView, when string) error {
 	for i := range j.Plan.Tasks {
-		if err := staleTask(j, i, abort, now, renewing); err != nil {
+		if err := staleTask(j, i, abort, now, leases, when); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-// staleTask is staleRead for task i alone (a read retried after its peer
-// restarted: j.Metas[i] is the re-fetched metadata).
-func staleTask(j *job.Job, i int, abort time.Duration, now time.Time, renewing bool) error {
+// staleTask is the guard for task i at now:
+//   - a rank that advertised a lease and where this worker renews j's
+//     request (leases knows it): ErrLeaseLost once its hold ends — the
+//     send time of the last acknowledged RENEW (before any, the lease
+//     start) plus the TTL less leaseMargin — or once an ACK came back
+//     after that (it may have been an ACK of a request already freed);
+//   - any other rank, when read starts: ErrStaleRead once now is past
+//     abort after j's admission: the prefill may have force-freed the
+//     blocks (it started its own timer before j was admitted here) and
+//     given them to another request. When a read ends it is not checked
+//     again (no lease says more).
+func staleTask(j *job.Job, i int, abort time.Duration, now time.Time, leases leaseView, when string) error {
+	if leases != nil && j.Metas[i].LeaseTTL > 0 {
+		if h, ok := leases.leaseOf(j.Req.ID, j.HandshakeEndpoint(i)); ok {
+			return holdErr(h, now, i, j.HandshakeEndpoint(i), when)
+		}
+	}
+	if when != "started" {
+		return nil
+	}
 	age := now.Sub(j.Submitted)
-	if abort <= 0 || age <= abort || renewing && j.Metas[i].LeaseTTL > 0 {
+	if abort <= 0 || age <= abort {
 		return nil
 	}
 	return fmt.Errorf("%w: task %d (%s): read started %v after admission, past the prefill's abort timeout %v; blocks may have been freed",
 		ErrStaleRead, i, j.HandshakeEndpoint(i), age.Round(time.Millisecond), abort)
+}
+
+// holdErr is ErrLeaseLost, with its reason, if h does not hold at now.
+func holdErr(h leaseHold, now time.Time, i int, endpoint, when string) error {
+	end := h.until(h.ttl)
+	var why string
+	switch {
+	case h.lapsed:
+		why = "a RENEW was acknowledged only after the lease may have run out"
+	case now.After(end) && h.acked.IsZero():
+		why = fmt.Sprintf("no RENEW acknowledged in the %v since the lease started", now.Sub(h.since).Round(time.Millisecond))
+	case now.After(end):
+		why = fmt.Sprintf("no RENEW acknowledged in the %v since the last acknowledged one was sent", now.Sub(h.acked).Round(time.Millisecond))
+	default:
+		return nil
+	}
+	return fmt.Errorf("%w: task %d (%s): read %s when %s (lease ttl %v, trusted for %v of it); the prefill may have freed the blocks",
+		ErrLeaseLost, i, endpoint, when, why, h.ttl, h.ttl-leaseMargin(h.ttl))
 }
 
 func (w *Worker) sink(r pipeline.Result[*job.Job]) {

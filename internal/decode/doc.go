@@ -31,6 +31,26 @@
 // dead peer delays no one else. Close drains with renewals going, then
 // stops them and waits for the calls. Seed peers (no TTL) get no RENEW.
 //
+// Lease guard: a lease holds only while RENEWs get through. The prefill
+// frees a renewed request one TTL after it last took a RENEW for it, so a
+// decode cut off from a rank's side channel (RENEWs failing) while its data
+// path works must not read that rank's blocks past then. The renewer keeps,
+// per request and rank, the send time of the last acknowledged RENEW (the
+// prefill took it no earlier; before any ACK, the lease start), and the
+// read stage refuses a read (ErrLeaseLost, an ErrStaleRead, counted in
+// kvflow_decode_lease_lost_reads_total; notify still sends the DONEs) once
+// that time plus the TTL less TTL/5 has passed. The margin covers the time
+// from the check to the bytes leaving the prefill, scheduling delays and
+// clock rates (network latency needs none: the hold is measured from the
+// send); with RENEWs every TTL/3 one lost renewal is tolerated. A later
+// ACK that came back only after that point proves nothing (the prefill
+// ACKs ids it no longer holds), so the hold lapses for good; the first ACK
+// always counts (until it, the prefill holds the request by its abort
+// timeout, which the lease does not shorten). The check runs again when
+// the read ends: bytes read while the lease may have run out are never
+// reported done. Ranks this worker does not renew at keep the abort-timeout
+// check below.
+//
 // Shutdown: requests Close cancels (its context ended before they
 // drained) in a stage before notify owe the prefill their DONEs; Close
 // sends them, one per task as notify would, within ReleaseTimeout, so the
@@ -39,8 +59,8 @@
 // have sent some already and gets none (a DONE counted twice could free
 // blocks another decode rank still reads).
 //
-// Stale reads (peers without leases): the metadata does not carry the
-// prefill's abort timeout, so with Options.PeerAbortTimeout set to it a
+// Stale reads (ranks without a lease this worker renews): the metadata
+// does not carry the prefill's abort timeout, so with Options.PeerAbortTimeout set to it a
 // request whose read would start more than that after its admission from
 // a rank that advertised no lease fails (ErrStaleRead, counted in
 // kvflow_decode_stale_reads_refused_total) instead of reading blocks the

@@ -68,9 +68,91 @@ type renewer struct {
 
 type leaseEP struct {
 	ttl  time.Duration
-	ids  map[string]struct{}
+	ids  map[string]*hold
 	due  time.Time
 	busy bool // a RENEW is in flight
+}
+
+// hold is what this worker knows of one request's lease at one endpoint:
+// the only evidence that the prefill still holds the request's blocks
+// (the stale-read guard's input, holdErr). The prefill frees a renewed
+// request one TTL after it last took a RENEW for it, by its own clock;
+// this worker cannot see that moment, only bound it: a RENEW the prefill
+// acknowledged was taken no earlier than the call was sent (sent), and no
+// later than the ACK came back. An ACK also comes for ids the prefill no
+// longer holds (a RENEW may cross a DONE), so an ACK that came back after
+// the lease may already have run out proves nothing and the hold is
+// lapsed for good.
+type hold struct {
+	since  time.Time // leased at this endpoint (its first RENEW leaves within renewCoalesce)
+	acked  time.Time // when the last acknowledged RENEW carrying it was sent; zero: none yet
+	lapsed bool      // an ACK came back after the hold's end: the prefill may have freed it
+}
+
+// leaseMargin is how much sooner than the prefill can free a request the
+// guard stops trusting the lease: TTL/5 (2 s of the default 10 s TTL).
+// Network latency needs none (a hold runs from when the RENEW was sent,
+// before the prefill took it); the margin covers the time between the
+// guard's check and the read's bytes leaving the prefill (the read stage's
+// per-peer slots and the batch itself), scheduling delays, and the two
+// hosts' clocks running at slightly different rates. With RENEWs every
+// TTL/3 it lets one renewal fail (each call times out within TTL/3) and
+// refuses reads after about 2.4 periods without an ACK.
+func leaseMargin(ttl time.Duration) time.Duration { return ttl / 5 }
+
+// until is the end of what h proves: its last acknowledged RENEW's send
+// time (before any, its lease start) plus ttl less the margin.
+func (h hold) until(ttl time.Duration) time.Time {
+	from := h.since
+	if !h.acked.IsZero() {
+		from = h.acked
+	}
+	return from.Add(ttl - leaseMargin(ttl))
+}
+
+// renewed records an acknowledged RENEW of h, sent at sent and acked at
+// acked. The first ACK starts the lease at the prefill (until then it
+// held the request by its abort timeout); a later one extends it only if
+// it came back before the hold's end, else the prefill may have freed the
+// request in between and the hold lapses.
+func (h *hold) renewed(ttl time.Duration, sent, acked time.Time) {
+	if h.lapsed {
+		return
+	}
+	if !h.acked.IsZero() && acked.After(h.until(ttl)) {
+		h.lapsed = true
+		return
+	}
+	if sent.After(h.acked) {
+		h.acked = sent
+	}
+}
+
+// leaseHold is the guard's view of request id's lease at endpoint.
+type leaseHold struct {
+	hold
+	ttl time.Duration
+}
+
+// leaseView is what the stale-read guard asks (the renewer).
+type leaseView interface {
+	// leaseOf reports request id's lease at endpoint; false when this
+	// worker does not renew it there.
+	leaseOf(id, endpoint string) (leaseHold, bool)
+}
+
+func (rn *renewer) leaseOf(id, endpoint string) (leaseHold, bool) {
+	rn.mu.Lock()
+	defer rn.mu.Unlock()
+	ep := rn.eps[endpoint]
+	if ep == nil {
+		return leaseHold{}, false
+	}
+	h := ep.ids[id]
+	if h == nil {
+		return leaseHold{}, false
+	}
+	return leaseHold{*h, ep.ttl}, true
 }
 
 func newRenewer(r Renewer, log *slog.Logger, reg prometheus.Registerer) (*renewer, error) {
@@ -183,11 +265,11 @@ func (rn *renewer) leaseLocked(id string, ats []leaseAt, now time.Time) {
 		}
 		ep := rn.eps[a.endpoint]
 		if ep == nil {
-			ep = &leaseEP{ttl: a.ttl, ids: map[string]struct{}{}, due: now.Add(renewCoalesce)}
+			ep = &leaseEP{ttl: a.ttl, ids: map[string]*hold{}, due: now.Add(renewCoalesce)}
 			rn.eps[a.endpoint] = ep
 		}
 		ep.ttl = min(ep.ttl, a.ttl)
-		ep.ids[id] = struct{}{}
+		ep.ids[id] = &hold{since: now}
 		if soon := now.Add(renewCoalesce); ep.due.After(soon) {
 			ep.due = soon
 		}
@@ -339,16 +421,20 @@ func (rn *renewer) fire(now time.Time) time.Time {
 		ep.busy = true
 		ep.due = now.Add(ep.ttl / 3)
 		rn.calls.Add(1)
-		go rn.send(key, ep, ep.ttl, ids)
+		go rn.send(key, ep, ep.ttl, ids, now)
 	}
 	return next
 }
 
-func (rn *renewer) send(key string, ep *leaseEP, ttl time.Duration, ids []string) {
+// send makes one RENEW call of ids at key, started at sent (fire's
+// clock, no later than the call leaves), and records an ACK in the holds
+// of the ids still leased there.
+func (rn *renewer) send(key string, ep *leaseEP, ttl time.Duration, ids []string, sent time.Time) {
 	defer rn.calls.Done()
 	ctx, cancel := context.WithTimeout(rn.ctx, max(ttl/3, minRenewTimeout))
 	err := rn.r.Renew(ctx, key, ids)
 	cancel()
+	acked := time.Now()
 	if err != nil {
 		rn.failed.Inc()
 		if rn.ctx.Err() == nil {
@@ -360,6 +446,13 @@ func (rn *renewer) send(key string, ep *leaseEP, ttl time.Duration, ids []string
 	}
 	rn.mu.Lock()
 	ep.busy = false
+	if err == nil {
+		for _, id := range ids {
+			if h := ep.ids[id]; h != nil {
+				h.renewed(ep.ttl, sent, acked)
+			}
+		}
+	}
 	if len(ep.ids) == 0 && rn.eps[key] == ep {
 		delete(rn.eps, key)
 	}
