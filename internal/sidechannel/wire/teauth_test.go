@@ -16,7 +16,7 @@ func TestMetadataTEAuth(t *testing.T) {
 	plain := EncodeMetadata(base)
 	tok := bytes.Repeat([]byte{0xab}, TEAuthSize)
 	m := base
-	m.Ext = Ext{BootEpoch: 3, TEAuth: tok}
+	m.Ext = Ext{BootEpoch: 3, TEAuth: (*[TEAuthSize]byte)(tok)}
 	b := EncodeMetadata(m)
 	want := append(append([]byte{0x85}, plain[1:]...), build("kvflow", []byte{0x82}, "boot_epoch", 3, "te_auth", append([]byte{0xc4, 32}, tok...))...)
 	if !bytes.Equal(b, want) {
@@ -26,13 +26,14 @@ func TestMetadataTEAuth(t *testing.T) {
 	if err != nil || !reflect.DeepEqual(got, m) {
 		t.Fatalf("round trip: %+v %v", got, err)
 	}
+	tok[0] = 0       // m's token is tok itself
 	b[len(b)-1] ^= 1 // the decoded token is a copy, not an alias of the input
 	if got.Ext.TEAuth[TEAuthSize-1] != 0xab {
 		t.Fatal("decoded token aliases the input")
 	}
-	m.Ext = Ext{TEAuth: []byte{}}
+	m.Ext = Ext{}
 	if got := EncodeMetadata(m); !bytes.Equal(got, plain) {
-		t.Fatalf("empty token changed the seed bytes: %x", got)
+		t.Fatalf("no token changed the seed bytes: %x", got)
 	}
 	head := build([]byte{0x85}, "engine_id", "E", "te_rpc_port", 1, "kv_caches_base_addr", []byte{0x90}, "num_blocks", 1, "kvflow")
 	for name, tail := range map[string][]byte{

@@ -176,12 +176,12 @@ type Ext struct {
 	// authentication"). The server sends it only over CURVE, bound to the
 	// client's CURVE public key. nil = not sent: the peer's transfer engine
 	// speaks the plain protocol.
-	TEAuth []byte
+	TEAuth *[TEAuthSize]byte
 }
 
 // IsZero reports whether no extension field is set (then "kvflow" is omitted).
 func (e Ext) IsZero() bool {
-	return e.BootEpoch == 0 && e.LeaseTTL <= 0 && !e.BatchDone && e.Cache == nil && len(e.TEAuth) == 0
+	return e.BootEpoch == 0 && e.LeaseTTL <= 0 && !e.BatchDone && e.Cache == nil && e.TEAuth == nil
 }
 
 // AppendGetMeta appends the GET_META request, msgpack [b"get_meta_msg", ""].
@@ -408,7 +408,7 @@ func appendExt(dst []byte, e Ext) []byte {
 	if e.Cache != nil {
 		n++
 	}
-	if len(e.TEAuth) > 0 {
+	if e.TEAuth != nil {
 		n++
 	}
 	dst = appendMapLen(dst, n)
@@ -428,9 +428,9 @@ func appendExt(dst []byte, e Ext) []byte {
 		dst = appendStr(dst, keyCache)
 		dst = appendCache(dst, e.Cache)
 	}
-	if len(e.TEAuth) > 0 {
+	if e.TEAuth != nil {
 		dst = appendStr(dst, keyTEAuth)
-		dst = appendBin(dst, string(e.TEAuth))
+		dst = appendBin(dst, string(e.TEAuth[:]))
 	}
 	return dst
 }
@@ -601,7 +601,9 @@ func (r *reader) ext() (Ext, error) {
 				r.off = start
 				return Ext{}, r.errf(field, "%d bytes, want %d", len(tok), TEAuthSize)
 			}
-			e.TEAuth = bytes.Clone(tok)
+			if err == nil {
+				e.TEAuth = (*[TEAuthSize]byte)(bytes.Clone(tok))
+			}
 		default:
 			err = r.skip(field, 2)
 		}
