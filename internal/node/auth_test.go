@@ -174,3 +174,64 @@ func outsider(t *testing.T, n *Node) {
 		}
 	}
 }
+
+// TestDataPlanePlain: with auth.mode off, and with curve and
+// auth.data_plane open, the transfer engine speaks Mooncake's plain
+// protocol to anyone (a Mooncake peer handshakes and reads as before) and
+// the metadata carries no credential.
+func TestDataPlanePlain(t *testing.T) {
+	dir := t.TempDir()
+	sec, pub := filepath.Join(dir, "p.key"), filepath.Join(dir, "p.pub")
+	if _, err := sidechannel.WriteKeyPair(sec, pub); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		auth config.Auth
+	}{
+		{"off", config.Auth{Mode: config.AuthOff}},
+		{"curve-open", config.Auth{Mode: config.AuthCurve, SecretKeyFile: sec, PublicKeyFile: pub, DataPlane: config.DataPlaneOpen}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tp := topo{prefillTP: 1, decodeTP: 1, model: gqa(2)}
+			var p *Node
+			for range 8 {
+				pc := baseConfig(tp, "prefill", 20000+int(time.Now().UnixNano()%30000))
+				pc.Auth = tc.auth
+				var err error
+				if p, err = Start(pc, Deps{}); err == nil {
+					break
+				}
+			}
+			if p == nil {
+				t.Fatal("prefill did not start")
+			}
+			t.Cleanup(func() { p.Close(context.Background()) })
+			if md := p.Prefill.Metadata(); md.Ext.TEAuth != nil {
+				t.Fatal("metadata carries a credential")
+			}
+			if p.Engine.AuthToken(make([]byte, mooncake.AuthKeySize)) != nil {
+				t.Fatal("engine issues credentials")
+			}
+			// A Mooncake initiator (another engine, no credential).
+			m, err := mooncake.NewTCPEngine(mooncake.DefaultTCPConfig(), nil, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer m.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			bufs, err := m.PeerBuffers(ctx, p.Engine.SessionID())
+			if err != nil || len(bufs) != len(p.Device.BaseAddrs()) {
+				t.Fatalf("plain handshake: %d buffers, %v", len(bufs), err)
+			}
+			dst := make([]byte, 4096)
+			if err := m.Register(mooncake.AddrOf(dst), uint64(len(dst)), ""); err != nil {
+				t.Fatal(err)
+			}
+			if err := m.BatchRead(ctx, p.Engine.SessionID(), []mooncake.Op{{Local: mooncake.AddrOf(dst), Remote: p.Device.BaseAddrs()[0], Length: 4096}}); err != nil {
+				t.Fatalf("plain read: %v", err)
+			}
+		})
+	}
+}
