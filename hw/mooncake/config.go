@@ -64,6 +64,14 @@ type TCPConfig struct {
 	// are counted (reason write_refused). Mooncake's engines accept them;
 	// turn it on to serve a peer that writes (kvflow bench te does).
 	AcceptWrites bool
+	// RequireAuth makes both ports serve only initiators that prove they
+	// hold a credential this engine issued (AuthToken, sent by the side
+	// channel over CURVE; see doc.go, "Data-plane authentication"): the
+	// segment descriptor and every byte are refused to anyone else,
+	// Mooncake peers included. The engine draws its secret at start, so
+	// credentials die with the process. Off by default (Mooncake
+	// compatibility); kvflow's node turns it on with auth.mode curve.
+	RequireAuth bool
 	// ProtoVersion is the tcp_proto_version advertised to peers: 2 (status
 	// frames). 1 exists to exercise legacy framing in tests.
 	ProtoVersion int

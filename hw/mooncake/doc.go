@@ -146,15 +146,63 @@
 // op it carried. What remains open to an outsider: occupying the caps
 // (up to MaxConns per port from MaxConns/MaxConnsPerPeer addresses)
 // refuses new legitimate connections until the outsider's are cut, and a
-// peer that sends valid requests keeps its connection; telling peers
-// apart needs the authenticated data plane (issue 19).
+// peer that sends valid requests keeps its connection. With RequireAuth
+// (below) only a peer holding a credential can send a request: others are
+// cut at their first 8 bytes, or within the lesser of FirstByteTimeout
+// and HandshakeTimeout.
+//
+// # Data-plane authentication (kvflow ↔ kvflow, optional)
+//
+// Mooncake's TCP transport authenticates nothing: whoever reaches the RPC
+// port gets the segment descriptor (every registered buffer's address and
+// length), and whoever reaches the data port reads any registered range
+// (with ReadGrants, any granted one). TCPConfig.RequireAuth (kvflow's node
+// sets it with auth.mode curve) closes both ports to anyone who cannot
+// prove they hold a credential this engine issued, before a single byte of
+// Mooncake's protocol is read or answered:
+//
+//   - At start the engine draws a 32-byte secret (crypto/rand) that never
+//     leaves the process. AuthToken(key) = HMAC-SHA256(secret, label |
+//     key) is the credential of a client's CURVE public key; the side
+//     channel hands it out in the GET_META reply (the metadata extension's
+//     "te_auth") only over CURVE, to the key the ZAP handler admitted, so
+//     only clients the side channel admits ever hold one.
+//   - Every new connection to either port starts with a challenge-response
+//     (auth.go has the bytes): the initiator sends a hello with its key,
+//     the target a fresh 32-byte nonce, the initiator HMAC-SHA256(token,
+//     label | port | nonce | key), the target an 8-byte status (MCTV OK, or
+//     rejected and close). The proof is compared in constant time. A token
+//     never crosses the data plane; a proof is good for one nonce, one port
+//     and one key, so one seen on the wire cannot be replayed.
+//   - The hello's magic, read as a Mooncake frame length or header size,
+//     is a value no Mooncake peer sends: a plain handshake or READ is
+//     refused at its first 8 bytes, with no reply. Outcomes are counted in
+//     kvflow_transfer_auth_total{port,outcome} (ok, no_hello, bad_proof,
+//     incomplete) and refusals logged at most every 10 s.
+//   - An initiator authenticates only to sessions given a Credential
+//     (SetPeerCredential; kvflow's decode sets or clears it from each
+//     GET_META reply), so it speaks Mooncake's plain protocol to Mooncake
+//     engines and to kvflow targets that did not ask. Authentication runs
+//     once per connection (the RPC exchange, each lane's dial); the request
+//     path is unchanged.
+//   - After the exchange the connection is Mooncake's protocol in the
+//     clear: no encryption, no integrity. A passive observer of the path
+//     sees segment descriptors and every byte read; an active one (able to
+//     inject into or take over a TCP connection) can, after the exchange,
+//     read through an authenticated connection or alter the bytes a decode
+//     receives. The token is a bearer secret for its key until the engine
+//     restarts: a decode whose memory leaks it lets the holder read as that
+//     decode. Authorization is per peer, not per request: an authenticated
+//     peer reads any registered range (with ReadGrants, any granted one).
 //
 // # Never
 //
 // The engine must never read or write memory outside a registered region,
 // for a peer or for the local side of a batch; never serve a range that
 // straddles regions or (with grants on) is not granted; never take a
-// peer's write unless AcceptWrites is on; never allocate a
+// peer's write unless AcceptWrites is on; with RequireAuth, never read a
+// request or answer a handshake before the peer proved its credential,
+// and never send a token on the wire; never allocate a
 // frame larger than the cap before validating its length; never decode
 // addresses through float64; never spin a core waiting; never leave a
 // goroutine running after Close; never return from a batch while a lane

@@ -25,6 +25,8 @@ type TCPEngine struct {
 	m       *metrics
 	regions regionTable
 	grants  grantTable
+	auth    *authServer // RequireAuth: the target's secret (auth.go); nil otherwise
+	creds   credStore   // credentials presented to targets, per session (auth.go)
 
 	rpcLn, dataLn net.Listener
 	session       string
@@ -73,6 +75,12 @@ func NewTCPEngine(cfg TCPConfig, reg prometheus.Registerer, log *slog.Logger) (*
 	e.grants.grace = cfg.RevokeGrace
 	e.grants.onCut = func(n int) { e.m.grantCuts.Add(float64(n)) }
 	var err error
+	if cfg.RequireAuth {
+		if e.auth, err = newAuthServer(reg); err != nil {
+			e.cancel()
+			return nil, err
+		}
+	}
 	if e.rpcLn, err = net.Listen("tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.RPCPort))); err != nil {
 		e.cancel()
 		return nil, fmt.Errorf("mooncake: listen rpc %s:%d: %w", cfg.Host, cfg.RPCPort, err)
@@ -99,7 +107,7 @@ func NewTCPEngine(cfg TCPConfig, reg prometheus.Registerer, log *slog.Logger) (*
 	e.wg.Add(2)
 	go e.acceptLoop(e.rpcLn, e.rpcConns, e.serveRPC)
 	go e.acceptLoop(e.dataLn, e.dataConns, e.serveData)
-	e.log.Info("transfer engine listening", "rpc_port", e.RPCPort(), "data_port", e.DataPort(), "read_grants", cfg.ReadGrants)
+	e.log.Info("transfer engine listening", "rpc_port", e.RPCPort(), "data_port", e.DataPort(), "read_grants", cfg.ReadGrants, "require_auth", cfg.RequireAuth)
 	return e, nil
 }
 
@@ -340,6 +348,9 @@ var (
 func (e *TCPEngine) serveRPC(c net.Conn) {
 	// The whole exchange, first byte included, within HandshakeTimeout.
 	c.SetDeadline(time.Now().Add(e.cfg.HandshakeTimeout))
+	if e.auth != nil && !e.authenticate(c, portRPC) {
+		return
+	}
 	t, payload, err := ReadFrame(c, e.cfg.MaxFrame)
 	if err != nil {
 		if errors.Is(err, os.ErrDeadlineExceeded) {

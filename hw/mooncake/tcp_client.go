@@ -577,6 +577,11 @@ func (e *TCPEngine) handshake(ctx context.Context, host string, port int) (*Segm
 	c.SetDeadline(deadline)
 	stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Unix(1, 0)) })
 	defer stop()
+	if cred, ok := e.credential(host, port); ok {
+		if err := authenticateTo(c, &cred, authPortRPC); err != nil {
+			return nil, err
+		}
+	}
 	if _, err := c.Write(AppendFrame(nil, FrameMetadata, EncodeSegment(e.Segment()))); err != nil {
 		return nil, fmt.Errorf("send metadata: %w", err)
 	}
@@ -1073,6 +1078,11 @@ func (l *lane) dial(b *batch) error {
 	}
 	if tc, ok := c.(*net.TCPConn); ok {
 		tc.SetNoDelay(true)
+	}
+	if err := l.authenticate(ctx, c); err != nil {
+		c.Close()
+		l.p.markStale()
+		return fmt.Errorf("connect %s: %w", addr, err)
 	}
 	l.mu.Lock()
 	if l.closing {

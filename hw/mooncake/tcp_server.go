@@ -81,6 +81,9 @@ func (e *TCPEngine) serveData(c net.Conn) {
 	if tc, ok := c.(*net.TCPConn); ok {
 		tc.SetNoDelay(true)
 	}
+	if e.auth != nil && !e.authenticate(c, portData) {
+		return
+	}
 	peer := c.RemoteAddr().String()
 	br := bufio.NewReaderSize(c, serverBuf)
 	p := &pending{}

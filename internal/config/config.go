@@ -351,6 +351,19 @@ const (
 	AuthCurve = "curve"
 )
 
+// Data-plane settings (auth.data_plane).
+const (
+	// DataPlaneAuthenticated: with auth.mode curve, the transfer engine's
+	// RPC and data ports serve only peers holding a credential the side
+	// channel handed them (the default with curve).
+	DataPlaneAuthenticated = "authenticated"
+	// DataPlaneOpen: the transfer engine's ports speak Mooncake's plain
+	// protocol to anyone who reaches them, as with auth.mode off (for a
+	// rolling upgrade from kvflow decode workers that cannot
+	// authenticate).
+	DataPlaneOpen = "open"
+)
+
 // Auth configures ZMQ CURVE authentication of the side channel. Key files
 // hold one Z85 key each; they are read by the server, never by Validate.
 type Auth struct {
@@ -363,6 +376,15 @@ type Auth struct {
 	// AuthorizedKeysFile (prefill, optional) lists the client public keys
 	// allowed, one per line; empty admits any client holding the server key.
 	AuthorizedKeysFile string `json:"authorized_keys_file"`
+	// DataPlane (curve only) is "authenticated" (default when empty) or
+	// "open"; see DataPlaneAuthenticated.
+	DataPlane string `json:"data_plane"`
+}
+
+// DataPlaneAuth reports whether the transfer engine's ports require
+// authentication: auth.mode curve, unless auth.data_plane is open.
+func (a Auth) DataPlaneAuth() bool {
+	return a.Mode == AuthCurve && a.DataPlane != DataPlaneOpen
 }
 
 // Default returns the defaults. Fields that describe the deployment

@@ -435,6 +435,14 @@ func TestValidate(t *testing.T) {
 			c.Auth = Auth{Mode: AuthCurve, SecretKeyFile: "/s", PublicKeyFile: "/p"}
 		}, nil},
 		{"auth mode", Decode, func(c *Config) { c.Auth.Mode = "tls" }, []string{`auth.mode: must be one of off, curve, got "tls"`}},
+		{"data plane value", Prefill, func(c *Config) {
+			c.Auth = Auth{Mode: AuthCurve, SecretKeyFile: "/s", PublicKeyFile: "/p", DataPlane: "tls"}
+		}, []string{`auth.data_plane: must be one of authenticated, open, got "tls"`}},
+		{"data plane open with curve", Prefill, func(c *Config) {
+			c.Auth = Auth{Mode: AuthCurve, SecretKeyFile: "/s", PublicKeyFile: "/p", DataPlane: DataPlaneOpen}
+		}, nil},
+		{"data plane authenticated without curve", Prefill, func(c *Config) { c.Auth.DataPlane = DataPlaneAuthenticated },
+			[]string{"auth.data_plane: authenticated needs auth.mode curve"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := Example(tc.role)
@@ -481,6 +489,23 @@ func TestValidateReportsEverythingAtOnce(t *testing.T) {
 	}
 	if !slices.Equal(got, want) {
 		t.Errorf("paths:\n got %q\nwant %q", got, want)
+	}
+}
+
+func TestDataPlaneAuth(t *testing.T) {
+	for _, tc := range []struct {
+		a    Auth
+		want bool
+	}{
+		{Auth{Mode: AuthOff}, false},
+		{Auth{Mode: AuthOff, DataPlane: DataPlaneOpen}, false},
+		{Auth{Mode: AuthCurve}, true},
+		{Auth{Mode: AuthCurve, DataPlane: DataPlaneAuthenticated}, true},
+		{Auth{Mode: AuthCurve, DataPlane: DataPlaneOpen}, false},
+	} {
+		if got := tc.a.DataPlaneAuth(); got != tc.want {
+			t.Errorf("%+v: DataPlaneAuth %v, want %v", tc.a, got, tc.want)
+		}
 	}
 }
 

@@ -122,6 +122,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&a.PublicKeyFile, "auth-public-key-file", a.PublicKeyFile, "CURVE public key file (auth.public_key_file)")
 	fs.StringVar(&a.ServerPublicKeyFile, "auth-server-public-key-file", a.ServerPublicKeyFile, "decode: prefill servers' CURVE public key file (auth.server_public_key_file)")
 	fs.StringVar(&a.AuthorizedKeysFile, "auth-authorized-keys-file", a.AuthorizedKeysFile, "prefill: allowed client public keys, one per line (auth.authorized_keys_file)")
+	fs.StringVar(&a.DataPlane, "auth-data-plane", a.DataPlane, "with auth curve: authenticated (default) or open transfer engine ports (auth.data_plane)")
 }
 
 // ConfigFlag is the name of the flag naming the configuration file.

@@ -298,12 +298,18 @@ func (c Config) validateSettings(v *validator) {
 		{"auth.server_public_key_file", a.ServerPublicKeyFile},
 		{"auth.authorized_keys_file", a.AuthorizedKeysFile},
 	}
+	if a.DataPlane != "" {
+		v.oneOf("auth.data_plane", a.DataPlane, DataPlaneAuthenticated, DataPlaneOpen)
+	}
 	switch a.Mode {
 	case AuthOff:
 		for _, f := range files {
 			if f.val != "" {
 				v.add(f.path, "set with auth.mode %s (set auth.mode %s to use it)", AuthOff, AuthCurve)
 			}
+		}
+		if a.DataPlane == DataPlaneAuthenticated {
+			v.add("auth.data_plane", "%s needs auth.mode %s (the side channel hands out the credentials)", DataPlaneAuthenticated, AuthCurve)
 		}
 	case AuthCurve:
 		if a.SecretKeyFile == "" {

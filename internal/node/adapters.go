@@ -2,7 +2,9 @@ package node
 
 import (
 	"context"
+	"net"
 	"slices"
+	"strconv"
 
 	"github.com/kvflow/kvflow/hw/mooncake"
 	"github.com/kvflow/kvflow/hw/npu"
@@ -18,8 +20,17 @@ import (
 // The side-channel client is the notify stage's Sender, with batched DONEs.
 var _ notify.BatchSender = (*sidechannel.Client)(nil)
 
-// Fetcher adapts a side-channel client to handshake.Fetcher.
-func Fetcher(c *sidechannel.Client) handshake.Fetcher { return fetcher{c} }
+// Fetcher adapts a side-channel client to handshake.Fetcher. It ignores
+// data-plane credentials: with peers whose transfer engines require
+// authentication (auth.mode curve), use FetcherWithCredentials.
+func Fetcher(c *sidechannel.Client) handshake.Fetcher { return fetcher{c: c} }
+
+// FetcherWithCredentials is Fetcher that also hands e the data-plane
+// credential of every GET_META reply (Ext.TEAuth), as a node's decode
+// worker does.
+func FetcherWithCredentials(c *sidechannel.Client, e *mooncake.TCPEngine) handshake.Fetcher {
+	return fetcher{c: c, creds: e}
+}
 
 // Transfer adapts a transfer engine to read.Transfer; an engine that can
 // scatter strided rows (mooncake.StridedReader) becomes a
@@ -31,15 +42,53 @@ func Transfer(e mooncake.Engine) read.Transfer {
 	return transfer{e}
 }
 
-type fetcher struct{ c *sidechannel.Client }
+// fetcher turns GET_META replies into job.Meta; with creds, it also hands
+// the transfer engine the data-plane credential each reply carries (or
+// clears it when a reply carries none), so the engine authenticates to
+// exactly the peers that asked for it.
+type fetcher struct {
+	c     *sidechannel.Client
+	creds credentialSetter
+}
+
+// credentialSetter is the TCP engine's side of data-plane authentication.
+type credentialSetter interface {
+	SetPeerCredential(session string, cred *mooncake.Credential) error
+}
 
 func (f fetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, error) {
 	m, err := f.c.GetMeta(ctx, endpoint)
 	if err != nil {
 		return job.Meta{}, err
 	}
+	if f.creds != nil {
+		f.setCredential(endpoint, m)
+	}
 	return job.Meta{EngineID: m.EngineID, TERPCPort: m.TERPCPort, BaseAddrs: m.KVCachesBaseAddr,
 		NumBlocks: m.NumBlocks, BootEpoch: m.Ext.BootEpoch, LeaseTTL: m.Ext.LeaseTTL, BatchDone: m.Ext.BatchDone, Cache: m.Ext.Cache}, nil
+}
+
+// setCredential records the credential of m's transfer engine, the
+// session "host:te_rpc_port" with endpoint's host (job.Session's rule).
+// A reply with a token for a client without a CURVE key cannot happen (a
+// server sends one only over CURVE); a malformed port is the handshake
+// stage's to refuse.
+func (f fetcher) setCredential(endpoint string, m sidechannel.Metadata) {
+	host, _, err := net.SplitHostPort(endpoint)
+	if err != nil {
+		return
+	}
+	session := net.JoinHostPort(host, strconv.Itoa(m.TERPCPort))
+	var cred *mooncake.Credential
+	if m.Ext.TEAuth != nil {
+		key, err := sidechannel.KeyBytes(f.c.PublicKey())
+		if err != nil {
+			return
+		}
+		cred = &mooncake.Credential{Token: *m.Ext.TEAuth}
+		copy(cred.Key[:], key)
+	}
+	_ = f.creds.SetPeerCredential(session, cred)
 }
 
 // PeerBuffers adapts an engine that lists its peers' registered buffers

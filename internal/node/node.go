@@ -124,6 +124,10 @@ func Start(cfg config.Config, deps Deps) (_ *Node, err error) {
 	// pull from prefill): it serves no read at all (grants on, none ever
 	// given), so a peer that reaches its data port cannot read it.
 	tc.ReadGrants = (cfg.Read.Grants != config.GrantsOff && cfg.Role() == config.Prefill) || cfg.Role() == config.Decode
+	// With auth.mode curve both ports serve only peers holding a
+	// credential this worker's side channel issued (a decode worker
+	// issues none: no one may handshake with it or read it).
+	tc.RequireAuth = cfg.Auth.DataPlaneAuth()
 	n.Engine, err = mooncake.NewTCPEngine(tc, deps.Registerer, log)
 	if err != nil {
 		return nil, fmt.Errorf("node: transfer engine: %w", err)
@@ -178,7 +182,7 @@ func (n *Node) startDecode(log *slog.Logger, layout npu.Layout) error {
 		Topology:           cfg.Topology(),
 		Self:               cfg.Self(),
 		LocalEngineID:      cfg.KVTransfer.EngineID,
-		Fetcher:            fetcher{hc},
+		Fetcher:            fetcher{c: hc, creds: n.Engine},
 		Transfer:           Transfer(n.Engine),
 		Kernel:             n.Device,
 		Sender:             nc,
@@ -269,10 +273,16 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 		return fmt.Errorf("node: prefill worker: %w", err)
 	}
 	n.Prefill = w
-	srv, err := sidechannel.NewServer(n.ZMQ, sidechannel.ServerOptions{
+	so := sidechannel.ServerOptions{
 		Addr:  net.JoinHostPort(cfg.Node.SideChannelHost, strconv.Itoa(cfg.HandshakePort())),
 		Curve: n.Curve,
-	}, w)
+	}
+	if cfg.Auth.DataPlaneAuth() {
+		// Each authenticated decode gets the transfer-engine credential of
+		// its own CURVE key in its GET_META reply.
+		so.AuthToken = n.Engine.AuthToken
+	}
+	srv, err := sidechannel.NewServer(n.ZMQ, so, w)
 	if err != nil {
 		return fmt.Errorf("node: side-channel server on port %d: %w", cfg.HandshakePort(), err)
 	}

@@ -386,6 +386,17 @@ func (c *Client) Renew(ctx context.Context, endpoint string, reqIDs []string) er
 	return nil
 }
 
+// PublicKey is the CURVE public key (Z85) every socket of c presents: the
+// configured one, or the ephemeral pair NewClient made. "" without CURVE.
+// A server binds the data-plane credential it sends in GET_META replies
+// (Ext.TEAuth) to this key.
+func (c *Client) PublicKey() string {
+	if c.curve == nil {
+		return ""
+	}
+	return c.curve.PublicKey
+}
+
 // Close aborts in-flight calls (they return ErrClosed), waits for them, and
 // closes every pooled socket. It is idempotent.
 func (c *Client) Close() error {

@@ -79,6 +79,15 @@ func checkKey(what, k string) error {
 	return nil
 }
 
+// KeyBytes returns the 32 raw bytes of a Z85 key (a CURVE public key as
+// Client.PublicKey gives it).
+func KeyBytes(z85 string) ([]byte, error) {
+	if err := checkKey("key", z85); err != nil {
+		return nil, err
+	}
+	return []byte(keyBytes(z85)), nil
+}
+
 // keyBytes returns the 32 bytes of a valid Z85 key.
 func keyBytes(k string) string { return zmq.Z85decode(k) }
 

@@ -162,6 +162,14 @@
 //     prints (String, LogValue) without its secret key.
 //   - A client has one ServerPublicKey: every prefill worker a decode
 //     worker dials shares one server key pair.
+//   - ServerOptions.AuthToken (CURVE servers only) binds a data-plane
+//     credential to each client: for every GET_META the server reads the
+//     client's public key from the message (the ZAP handler's User-Id,
+//     which libzmq attaches to the peer's frames, not to the ROUTER's
+//     routing-id frame) and sends AuthToken(key) as Ext.TEAuth. Only a
+//     client the ZAP handler admitted gets one, and only over CURVE;
+//     Client.PublicKey is the key a client's credential is bound to (see
+//     package mooncake, "Data-plane authentication").
 //
 // # Metrics
 //

@@ -99,6 +99,14 @@ type ServerOptions struct {
 	Curve *Curve
 	// Logger overrides the context's logger.
 	Logger *slog.Logger
+	// AuthToken (with Curve only), when set, is called for every GET_META
+	// with the requesting client's CURVE public key (32 bytes, as the ZAP
+	// handler admitted it) and its result is sent as Ext.TEAuth: the
+	// client's credential for this worker's transfer engine (package
+	// mooncake, data-plane authentication). Without Curve it is never
+	// called (no identity to bind, and the reply would travel in the
+	// clear).
+	AuthToken func(clientKey []byte) *[wire.TEAuthSize]byte
 	// Background (NewRouter only), when set, picks the requests that may
 	// block (a load waiting for room in a full pipeline): they are served
 	// one at a time, in arrival order, on a goroutine of their own, and
@@ -359,16 +367,58 @@ func (s *Server) loop() {
 			}
 		}
 		for range maxBatch {
-			frames, err := s.sock.RecvMessageBytes(zmq.DONTWAIT)
+			frames, client, err := s.recv()
 			if err != nil {
 				if !isEAGAIN(err) {
 					s.log.Error("side channel recv failed", "err", err)
 				}
 				break
 			}
-			s.handle(frames)
+			s.handle(frames, client)
 		}
 	}
+}
+
+// recv receives one message and, when the server hands out data-plane
+// credentials, the sender's CURVE public key (32 bytes; nil otherwise):
+// libzmq attaches the ZAP handler's User-Id (the key in Z85, see zap.go)
+// to every frame of a CURVE connection.
+func (s *Server) recv() ([][]byte, []byte, error) {
+	if s.opts.Curve == nil || s.opts.AuthToken == nil {
+		frames, err := s.sock.RecvMessageBytes(zmq.DONTWAIT)
+		return frames, nil, err
+	}
+	// The ROUTER's routing-id frame carries no metadata: read it from the
+	// frames the peer sent (pebbe/zmq4's RecvMessageBytesWithMetadata
+	// looks at the first frame only).
+	id, err := s.sock.RecvBytes(zmq.DONTWAIT)
+	if err != nil {
+		return nil, nil, err
+	}
+	frames := [][]byte{id}
+	var userID string
+	for {
+		more, err := s.sock.GetRcvmore()
+		if err != nil || !more {
+			return frames, clientKey(userID), err
+		}
+		f, md, err := s.sock.RecvBytesWithMetadata(zmq.DONTWAIT, "User-Id")
+		if err != nil {
+			return frames, nil, err
+		}
+		frames = append(frames, f)
+		if u := md["User-Id"]; u != "" {
+			userID = u
+		}
+	}
+}
+
+// clientKey decodes a Z85 User-Id into the 32-byte key (nil if it is not one).
+func clientKey(userID string) []byte {
+	if checkKey("", userID) != nil {
+		return nil
+	}
+	return []byte(keyBytes(userID))
 }
 
 func isEAGAIN(err error) bool {
@@ -378,8 +428,9 @@ func isEAGAIN(err error) bool {
 // handle processes one ROUTER message: [identity, (""), payload]. Like the
 // seed, empty frames after the identity are ignored and exactly one
 // non-empty payload frame must remain; the reply is always
-// [identity, "", reply] (what a REQ peer expects).
-func (s *Server) handle(frames [][]byte) {
+// [identity, "", reply] (what a REQ peer expects). client is the sender's
+// CURVE public key when known (see recv).
+func (s *Server) handle(frames [][]byte, client []byte) {
 	if len(frames) < 2 {
 		s.bad(frames, badEnvelope, "too few frames", nil)
 		return
@@ -420,6 +471,9 @@ func (s *Server) handle(frames [][]byte) {
 			s.log.Error("metadata handler failed", "err", err)
 			reply = wire.EncodeErrorReply("internal error")
 		} else {
+			if s.opts.Curve != nil && s.opts.AuthToken != nil {
+				s.teAuth(&md, client)
+			}
 			reply = wire.EncodeMetadata(md)
 		}
 	case wire.KindRenew:
@@ -533,6 +587,18 @@ func (s *Server) bad(frames [][]byte, reason, detail string, err error) {
 	if e := s.reply(frames[0], wire.EncodeErrorReply(msg)); e != nil {
 		s.log.Debug("error reply failed", "err", e)
 	}
+}
+
+// teAuth sets md's data-plane credential for client. A client whose key
+// is unknown gets none (it cannot authenticate to the transfer engine);
+// that cannot happen on a CURVE socket, whose ZAP handler always names the
+// key, but is logged if it does.
+func (s *Server) teAuth(md *Metadata, client []byte) {
+	if client == nil {
+		s.log.Warn("side channel: GET_META without a client key: no data-plane credential sent")
+		return
+	}
+	md.Ext.TEAuth = s.opts.AuthToken(client)
 }
 
 type panicError struct{ v any }

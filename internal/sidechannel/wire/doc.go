@@ -18,7 +18,7 @@
 //
 // kvflow additions, all optional so the plain protocol still works:
 //   - metadata field "kvflow" (a map: {"boot_epoch": uint, "lease_ttl_ms":
-//     uint, "batch_done": true, "cache": map}, each omitted when
+//     uint, "batch_done": true, "cache": map, "te_auth": bin}, each omitted when
 //     0/false/nil) after the seed's
 //     four, omitted when empty (then kvflow's bytes equal the seed's, as
 //     the seed's vectors check). A kvflow prefill worker always sets
@@ -37,6 +37,11 @@
 //     layers, num_blocks and block_len entries from 1); anything else is
 //     malformed, with the field named (kvflow.cache.block_size);
 //     unknown keys are skipped. Golden bytes: TestMetadataCacheBytes;
+//   - "kvflow"."te_auth" (bin, exactly TEAuthSize = 32 bytes), the
+//     client's credential for the sender's transfer engine, sent only to a
+//     CURVE client (bound to its key); present means the sender's
+//     transfer engine requires data-plane authentication. Other lengths,
+//     types and duplicates are malformed. Golden bytes: TestMetadataTEAuth;
 //   - RENEW [bin "renew_msg", [str req_id, ...]] → raw "ACK": lease
 //     renewal, sent only to a peer whose metadata carries lease_ttl_ms (so
 //     a seed ROUTER, which would drop it, never receives it), e.g.

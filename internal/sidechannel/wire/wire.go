@@ -62,7 +62,11 @@ const (
 	keyBootEpoch        = "boot_epoch"
 	keyLeaseTTLMs       = "lease_ttl_ms"
 	keyBatchDone        = "batch_done"
+	keyTEAuth           = "te_auth"
 )
+
+// TEAuthSize is the length of Ext.TEAuth, an HMAC-SHA256.
+const TEAuthSize = 32
 
 // Sentinel errors; test with errors.Is.
 var (
@@ -165,11 +169,19 @@ type Ext struct {
 	// expects before reading. nil = not sent (a seed peer, or an older
 	// kvflow one).
 	Cache *npu.Fingerprint
+	// TEAuth is the client's data-plane credential (sent as "te_auth", bin
+	// of TEAuthSize bytes): the server's transfer engine refuses its
+	// handshake and data ports to anyone who cannot prove knowledge of it,
+	// and this is the key of that proof (see package mooncake, "Data-plane
+	// authentication"). The server sends it only over CURVE, bound to the
+	// client's CURVE public key. nil = not sent: the peer's transfer engine
+	// speaks the plain protocol.
+	TEAuth *[TEAuthSize]byte
 }
 
 // IsZero reports whether no extension field is set (then "kvflow" is omitted).
 func (e Ext) IsZero() bool {
-	return e.BootEpoch == 0 && e.LeaseTTL <= 0 && !e.BatchDone && e.Cache == nil
+	return e.BootEpoch == 0 && e.LeaseTTL <= 0 && !e.BatchDone && e.Cache == nil && e.TEAuth == nil
 }
 
 // AppendGetMeta appends the GET_META request, msgpack [b"get_meta_msg", ""].
@@ -396,6 +408,9 @@ func appendExt(dst []byte, e Ext) []byte {
 	if e.Cache != nil {
 		n++
 	}
+	if e.TEAuth != nil {
+		n++
+	}
 	dst = appendMapLen(dst, n)
 	if e.BootEpoch != 0 {
 		dst = appendStr(dst, keyBootEpoch)
@@ -412,6 +427,10 @@ func appendExt(dst []byte, e Ext) []byte {
 	if e.Cache != nil {
 		dst = appendStr(dst, keyCache)
 		dst = appendCache(dst, e.Cache)
+	}
+	if e.TEAuth != nil {
+		dst = appendStr(dst, keyTEAuth)
+		dst = appendBin(dst, string(e.TEAuth[:]))
 	}
 	return dst
 }
@@ -533,7 +552,7 @@ func (r *reader) ext() (Ext, error) {
 	if err != nil {
 		return e, err
 	}
-	seenEpoch, seenLease, seenBatch, seenCache := false, false, false, false
+	seenEpoch, seenLease, seenBatch, seenCache, seenAuth := false, false, false, false, false
 	for i := 0; i < n; i++ {
 		key, err := r.str(keyKvflow + " key")
 		if err != nil {
@@ -571,6 +590,20 @@ func (r *reader) ext() (Ext, error) {
 			}
 			seenCache = true
 			e.Cache, err = r.cache(field)
+		case keyTEAuth:
+			if seenAuth {
+				return Ext{}, r.errf(field, "duplicate key")
+			}
+			seenAuth = true
+			start := r.off
+			var tok []byte
+			if tok, err = r.bin(field); err == nil && len(tok) != TEAuthSize {
+				r.off = start
+				return Ext{}, r.errf(field, "%d bytes, want %d", len(tok), TEAuthSize)
+			}
+			if err == nil {
+				e.TEAuth = (*[TEAuthSize]byte)(bytes.Clone(tok))
+			}
 		default:
 			err = r.skip(field, 2)
 		}

@@ -607,6 +607,7 @@ func seedCorpus(f *testing.F) {
 	f.Add(EncodeMetadata(Metadata{EngineID: "e", KVCachesBaseAddr: []uint64{1}, Ext: Ext{BootEpoch: 1, Cache: testFingerprint()}}))
 	f.Add(EncodeMetadata(Metadata{EngineID: "e", KVCachesBaseAddr: []uint64{1}, Ext: Ext{Cache: &npu.Fingerprint{Kind: npu.Sparse, DType: npu.FP8,
 		BlockSize: 1, KVHeads: 1, KVLoraRank: 2, QKRopeHeadDim: 3, IndexerDim: 4, Layers: 5, BlockLens: []int{6, 7, 8}, NumBlocks: 9}}}))
+	f.Add(EncodeMetadata(Metadata{EngineID: "e", KVCachesBaseAddr: []uint64{1}, Ext: Ext{BootEpoch: 1, TEAuth: (*[TEAuthSize]byte)(bytes.Repeat([]byte{7}, TEAuthSize))}}))
 	f.Add([]byte("ACK"))
 	f.Add([]byte("ERR x"))
 }
