@@ -4,10 +4,10 @@ import (
 	"context"
 	"errors"
 	"log/slog"
-	"runtime"
 	"slices"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -67,8 +67,13 @@ func leaseJob(id string, ports []int, ttls []time.Duration) *job.Job {
 	return j
 }
 
+// TestRenewer runs on synctest's clock: every gap it checks is the
+// renewer's own schedule, not the machine's load.
 func TestRenewer(t *testing.T) {
-	goroutines := runtime.NumGoroutine()
+	synctest.Test(t, testRenewer)
+}
+
+func testRenewer(t *testing.T) {
 	const ttl = 150 * time.Millisecond
 	f := &fakeRenewer{block: map[string]bool{"127.0.0.1:3": true}}
 	rn, err := newRenewer(f, slog.New(slog.DiscardHandler), prometheus.NewRegistry())
@@ -136,19 +141,18 @@ func TestRenewer(t *testing.T) {
 		t.Fatalf("renewed after close")
 	}
 	rn.close() // idempotent
-	deadline := time.Now().Add(2 * time.Second)
-	for runtime.NumGoroutine() > goroutines && time.Now().Before(deadline) {
-		time.Sleep(5 * time.Millisecond)
-	}
-	if g := runtime.NumGoroutine(); g > goroutines {
-		t.Fatalf("goroutines %d after close, %d before", g, goroutines)
-	}
+	// synctest.Test fails if a goroutine of the renewer outlives close.
 }
 
 // TestWorkerLeases: the worker renews between handshake and the end of a
 // request, and stops when it is closed.
 func TestWorkerLeases(t *testing.T) {
-	goroutines := runtime.NumGoroutine()
+	// On synctest's clock: the renewals counted while the read is stuck
+	// follow the renewer's schedule, not the machine's load.
+	synctest.Test(t, testWorkerLeases)
+}
+
+func testWorkerLeases(t *testing.T) {
 	f := &fakeRenewer{}
 	release := make(chan struct{})
 	w, err := New(Options{
@@ -203,13 +207,7 @@ func TestWorkerLeases(t *testing.T) {
 	if err := w.Close(context.Background()); err != nil && !errors.Is(err, context.Canceled) {
 		t.Fatal(err)
 	}
-	deadline = time.Now().Add(2 * time.Second)
-	for runtime.NumGoroutine() > goroutines && time.Now().Before(deadline) {
-		time.Sleep(5 * time.Millisecond)
-	}
-	if g := runtime.NumGoroutine(); g > goroutines {
-		t.Fatalf("goroutines %d after Close, %d before", g, goroutines)
-	}
+	// synctest.Test fails if a goroutine of the worker outlives Close.
 }
 
 type fetcherFunc func(context.Context, string) (job.Meta, error)
