@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvflow/kvflow/hw/mooncake"
+	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/sidechannel"
@@ -119,6 +120,11 @@ func TestDataPlaneAuth(t *testing.T) {
 				t.Errorf("prefill data auth ok = %v", n)
 			}
 
+			// Sent first: with read grants (the default) a request's blocks
+			// are served from its send on.
+			if err := p.Prefill.Send([]prefill.SendRequest{{RequestID: "stranger", BlockIDs: []int{6}}})[0]; err != nil {
+				t.Fatal(err)
+			}
 			if err := load(t, stranger, "stranger", []int{5}, []int{6}, c.kvPort, "P"); err != nil {
 				t.Fatal(err)
 			}
@@ -224,6 +230,11 @@ func TestDataPlanePlain(t *testing.T) {
 			bufs, err := m.PeerBuffers(ctx, p.Engine.SessionID())
 			if err != nil || len(bufs) != len(p.Device.BaseAddrs()) {
 				t.Fatalf("plain handshake: %d buffers, %v", len(bufs), err)
+			}
+			// The read is of block 0 of a held request (read grants are on
+			// by default).
+			if err := p.Prefill.Send([]prefill.SendRequest{{RequestID: "plain", BlockIDs: []int{0}}})[0]; err != nil {
+				t.Fatal(err)
 			}
 			dst := make([]byte, 4096)
 			if err := m.Register(mooncake.AddrOf(dst), uint64(len(dst)), ""); err != nil {
