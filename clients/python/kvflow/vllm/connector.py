@@ -316,6 +316,7 @@ class KvflowConnector(KVConnectorBase_V1):
             raise ConfigError("kvflow register_kv_caches: kv_role %r: kvflow runs kv_producer (prefill) or "
                               "kv_consumer (decode) instances" % (self.kv_role,))
         layers, model, shape_kw = self._model_shape(kv_caches)
+        sides = self._sides()
         # Zero-copy when the tensors are kvflow's cache file (mapped here).
         k0 = layers[0][0]
         cache = kc.find_mapped_cache(k0.data_ptr()) if k0.device.type == "cpu" else None
@@ -344,14 +345,16 @@ class KvflowConnector(KVConnectorBase_V1):
             self._device_caches = layers
         self.cache = cache
         self._file = cache_tensors(cache)
-        self._start_sidecar(model, name)
+        self._start_sidecar(model, name, sides)
 
     def _is_prefill(self):
         return self.kv_role == "kv_producer"
 
-    def _start_sidecar(self, model, name):
-        kv = self._kv_transfer_config
-        extra = _get(kv, "kv_connector_extra_config") or {}
+    def _sides(self):
+        """kv_connector_extra_config's prefill and decode layouts, this
+        instance's tp_size and pp_size filled in from parallel_config (a
+        different value there is a ConfigError)."""
+        extra = _get(self._kv_transfer_config, "kv_connector_extra_config") or {}
         sides = {}
         for side in ("prefill", "decode"):
             p = extra.get(side)
@@ -359,14 +362,17 @@ class KvflowConnector(KVConnectorBase_V1):
                 raise ConfigError("kvflow: kv_connector_extra_config.%s needs tp_size and dp_size (got %r)"
                                   % (side, p))
             sides[side] = dict(p)
-        own = sides["prefill" if self._is_prefill() else "decode"]
+        name = "prefill" if self._is_prefill() else "decode"
+        own = sides[name]
         for key, mine in (("tp_size", self.tp_size), ("pp_size", self.pp_size)):
             got = own.get(key, 1 if key == "pp_size" else None)
             if got != mine:
                 raise ConfigError("kvflow: kv_connector_extra_config.%s.%s is %r, this instance's "
-                                  "parallel_config says %d" % ("prefill" if self._is_prefill() else "decode",
-                                                               key, got, mine))
+                                  "parallel_config says %d" % (name, key, got, mine))
             own[key] = mine
+        return sides
+
+    def _start_sidecar(self, model, name, sides):
         timeout = int(self.opts.get("control_timeout_ms", 10000))
         ranks = {"tp": self.tp_rank, "pp": self.pp_rank, "dp": self.dp_rank}
         if self.opts.get("control"):
