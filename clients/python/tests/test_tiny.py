@@ -267,11 +267,13 @@ class TinyTopologyTest(unittest.TestCase):
             ("prefill TP 1 PP 1 -> decode TP 1 PP 2 (layers 2 + 1)", 1, 1, None, [(0, 2), (2, 3)]),
             ("prefill TP 2 -> decode TP 2 PP 2, partition 1,2", 2, 2, "1,2", [(0, 1), (1, 3)]),
             ("prefill TP 1 -> decode TP 2 PP 2 (head slices per stage)", 1, 2, None, [(0, 2), (2, 3)]),
+            ("prefill TP 1 PP 2 (layers 1 + 2) -> decode TP 1 PP 2 (layers 2 + 1)", 1, 1, None, [(0, 2), (2, 3)],
+             {"prefill_pp": 2, "prefill_pp_layer_partition": "1,2"}),
         ]
-        for name, p, d, part, ranges in cases:
+        for name, p, d, part, ranges, *kw in cases:
             with self.subTest(name):
                 got = self.run_pair("pp", p, d, decode_pp=2, decode_pp_layer_partition=part,
-                                    check=stages(ranges, part))
+                                    check=stages(ranges, part), **(kw[0] if kw else {}))
                 self.assertEqual(got, self.want[("pp", "bf16")])
 
     def test_wrong_head_slice_is_caught(self):

@@ -26,23 +26,26 @@ def workdir():
 
 
 class Pair:
-    """A prefill instance (TP p) and a decode instance (TP d, PP
-    decode_pp, layers split by decode_pp_layer_partition or vLLM's
-    default), each rank with its own kvflow serve."""
+    """A prefill instance (TP p, PP prefill_pp) and a decode instance (TP
+    d, PP decode_pp), layers split by the partitions or vLLM's default,
+    each rank with its own kvflow serve."""
 
     def __init__(self, model, p, d, dtype="bf16", num_blocks=64, decode_zero_copy=True, prefill_zero_copy=True,
-                 prefix_caching=False, kvflow_opts=None, dir=None, decode_pp=1, decode_pp_layer_partition=None):
+                 prefix_caching=False, kvflow_opts=None, dir=None, decode_pp=1, decode_pp_layer_partition=None,
+                 prefill_pp=1, prefill_pp_layer_partition=None):
         self.dir = dir or workdir()
         self._own_dir = dir is None
         self.prefill = self.decode = None
         for attempt in range(3):
             try:
                 self.prefill = Instance(model, "prefill", tp=p, dtype=dtype, num_blocks=num_blocks, other_tp=d,
+                                        pp=prefill_pp, pp_layer_partition=prefill_pp_layer_partition,
                                         other_pp=decode_pp, other_pp_layer_partition=decode_pp_layer_partition,
                                         engine_id="tiny-p-%d" % os.getpid(), workdir=self.dir,
                                         zero_copy=prefill_zero_copy, kvflow_opts=kvflow_opts)
                 self.decode = Instance(model, "decode", tp=d, dtype=dtype, num_blocks=num_blocks, other_tp=p,
                                        pp=decode_pp, pp_layer_partition=decode_pp_layer_partition,
+                                       other_pp=prefill_pp, other_pp_layer_partition=prefill_pp_layer_partition,
                                        engine_id="tiny-d-%d" % os.getpid(), workdir=self.dir,
                                        zero_copy=decode_zero_copy, prefix_caching=prefix_caching,
                                        kvflow_opts=kvflow_opts)
