@@ -14,15 +14,16 @@ except ImportError:  # pragma: no cover
     torch = None
 
 
-def vcfg(tp=2, kv_heads=4, layers=2, block_size=4, extra=None, buf="cpu", cache_dtype="auto"):
-    ex = {"prefill": {"tp_size": tp, "dp_size": 1}, "decode": {"tp_size": 1, "dp_size": 1},
-          "kvflow": {"tp_rank": 0, "host": "127.0.0.1"}}
+def vcfg(tp=2, kv_heads=4, layers=2, block_size=4, extra=None, buf="cpu", cache_dtype="auto", pp=1, pp_rank=0,
+         opts=None):
+    ex = {"prefill": {"tp_size": tp, "dp_size": 1, "pp_size": pp}, "decode": {"tp_size": 1, "dp_size": 1},
+          "kvflow": dict({"tp_rank": 0, "pp_rank": pp_rank, "host": "127.0.0.1"}, **(opts or {}))}
     if extra is not None:
         ex = extra
     return types.SimpleNamespace(
         kv_transfer_config=types.SimpleNamespace(engine_id="e", kv_role="kv_producer", kv_port=20000,
                                                  kv_buffer_device=buf, kv_connector_extra_config=ex),
-        parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                               data_parallel_size=1, data_parallel_rank=0),
         cache_config=types.SimpleNamespace(block_size=block_size, cache_dtype=cache_dtype),
         model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(num_hidden_layers=layers,
@@ -78,6 +79,19 @@ class BadConfigTest(unittest.TestCase):
             ("heads disagree with the model", vcfg(tp=2, kv_heads=8), caches(heads=2),
              "cache tensors hold 2 KV heads, the model has 8 over TP 2 \\(want 4\\)"),
             ("layers disagree", vcfg(layers=3), caches(), "2 cache layers, model has 3"),
+            ("replicated heads: TP 4 over 2 KV heads holds one", vcfg(tp=4, kv_heads=2), caches(heads=2),
+             "cache tensors hold 2 KV heads, the model has 2 over TP 4 \\(want 1, head 0 replicated over 2 ranks\\)"),
+            ("PP stage holds other layers", vcfg(layers=3, pp=2, pp_rank=1), caches(layers=2),
+             "2 cache layers, PP stage 1 of 2 holds layers \\[2, 3\\) of 3"),
+            ("PP stage layers under a partition", vcfg(layers=3, pp=2, pp_rank=1, opts={"pp_layer_partition": "2,1"}),
+             caches(layers=2), "PP stage 1 of 2 holds layers \\[2, 3\\) of 3 \\(partition 2,1\\)"),
+            ("bad partition", vcfg(layers=3, pp=2, opts={"pp_layer_partition": "1,1"}), caches(layers=1),
+             "partitions in '1,1' sum to 2, not num_hidden_layers 3"),
+            ("pp_size in the extra config disagrees with parallel_config",
+             vcfg(pp=2, extra={"prefill": {"tp_size": 2, "dp_size": 1, "pp_size": 1},
+                               "decode": {"tp_size": 1, "dp_size": 1}, "kvflow": {"tp_rank": 0}}),
+             caches(layers=1), "kv_connector_extra_config.prefill.pp_size is 1, this instance's parallel_config "
+                               "says 2"),
             ("block size disagrees", vcfg(block_size=16), caches(), "cache block size 4, cache_config.block_size 16"),
             ("not a cache tensor", vcfg(), {"l0": torch.zeros(3, 3)}, "want a \\(k, v\\) pair"),
             ("device caches without a host buffer", vcfg(buf="cuda"), caches(flash=True),

@@ -1,9 +1,12 @@
 """The proof by computation: the tiny engine's disaggregated run (prefill
 TP p -> kvflow serve sidecars -> decode TP d, driven through
 KvflowConnector in vLLM's call order) generates exactly the monolith's
-tokens; a failed transfer is recomputed to the same tokens; a broken
-stitch (two heads swapped after the transfer) does not."""
+tokens, also for decode TP above prefill TP and decode PP
+(TinyTopologyTest); a failed transfer is recomputed to the same tokens; a
+broken stitch (two heads swapped after the transfer) or a wrong head slice
+does not."""
 
+import json
 import os
 import signal
 import time
@@ -196,6 +199,103 @@ class TinyTest(unittest.TestCase):
             self.assertNotIn("ab", dec._recvd)
             self.assertEqual(dec._errors, set())
             self.assertEqual(dec.connectors[0]._aborted, set(), "the aborted load's end was not collected")
+
+
+class TinyTopologyTest(unittest.TestCase):
+    """kvflow ↔ kvflow topologies the seed has not: decode TP above prefill
+    TP (each decode rank reads a head slice of one prefill rank's blocks;
+    replicated heads when TP exceeds them; MLA's latent from one prefill
+    rank) and decode PP (each stage reads only its layers). Tokens must be
+    the monolith's, every load a real transfer (no recompute)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.models = {"gqa": TinyModel(TinyConfig(seed=1234)),                      # 8 q heads, 4 KV heads
+                      "kv2": TinyModel(TinyConfig(seed=77, kv_heads=2)),            # 2 KV heads
+                      "mla": TinyModel(TinyConfig(seed=99, mla=True)),
+                      "pp": TinyModel(TinyConfig(seed=4321, layers=3))}             # 3 layers: stages of 2 + 1
+        cls.ps = prompts(2, 11, 96, seed=3)
+        cls.want = {(m, dt): monolith(cls.models[m], dt, cls.ps, MAX_TOKENS)
+                    for m, dt in (("gqa", "bf16"), ("gqa", "fp16"), ("kv2", "bf16"), ("mla", "bf16"), ("pp", "bf16"))}
+
+    def run_pair(self, m, p, d, dtype="bf16", after_load=None, check=None, **kw):
+        got = []
+        with Pair(self.models[m], p, d, dtype=dtype, **kw) as pair:
+            if check is not None:
+                check(pair)
+            for i, pr in enumerate(self.ps):
+                toks, info = pair.run("%s-%d-%d-%d" % (m, p, d, i), pr, MAX_TOKENS, after_load=after_load)
+                self.assertTrue(info["loaded"], "load failed and was recomputed: %s" % (info,))
+                self.assertEqual(info["prefill_first_token"], toks[0])
+                got.append(toks)
+            self.assertEqual(pair.prefill._held, {}, "prefill blocks not freed")
+        return got
+
+    def test_decode_tp_above_prefill_tp(self):
+        cases = [
+            ("GQA TP 1->2 bf16", "gqa", 1, 2, "bf16"),
+            ("GQA TP 1->2 fp16", "gqa", 1, 2, "fp16"),
+            ("GQA TP 2->4 bf16", "gqa", 2, 4, "bf16"),
+            ("2 KV heads, TP 2->4 bf16 (replicated: decode ranks 0, 1 hold head 0)", "kv2", 2, 4, "bf16"),
+            ("2 KV heads, TP 1->4 bf16 (replicated, head slices of one prefill rank)", "kv2", 1, 4, "bf16"),
+            ("MLA TP 1->2 bf16", "mla", 1, 2, "bf16"),
+        ]
+        for name, m, p, d, dt in cases:
+            with self.subTest(name):
+                self.assertEqual(self.run_pair(m, p, d, dt), self.want[(m, dt)])
+
+    def test_decode_pp(self):
+        def stages(ranges, part):
+            def check(pair):
+                dec = pair.decode
+                self.assertEqual(dec.layer_ranges, ranges)
+                for w, conn in enumerate(dec.connectors):
+                    s = w // dec.tp
+                    self.assertEqual(len(dec.caches[w]), ranges[s][1] - ranges[s][0])
+                    with open(conn.sidecar.config_path) as f:
+                        cfg = json.load(f)
+                    self.assertEqual(cfg["rank"]["pp"], s)
+                    self.assertEqual(cfg["kv_transfer_config"]["kv_connector_extra_config"]["decode"]["pp_size"], 2)
+                    self.assertEqual(cfg["model"].get("decode_pp_layer_partition"), part)
+                with open(pair.prefill.connectors[0].sidecar.config_path) as f:
+                    cfg = json.load(f)
+                self.assertEqual(cfg["kv_transfer_config"]["kv_connector_extra_config"]["decode"]["pp_size"], 2)
+                self.assertEqual(cfg["model"].get("decode_pp_layer_partition"), part)
+            return check
+
+        cases = [
+            ("prefill TP 1 PP 1 -> decode TP 1 PP 2 (layers 2 + 1)", 1, 1, None, [(0, 2), (2, 3)]),
+            ("prefill TP 2 -> decode TP 2 PP 2, partition 1,2", 2, 2, "1,2", [(0, 1), (1, 3)]),
+            ("prefill TP 1 -> decode TP 2 PP 2 (head slices per stage)", 1, 2, None, [(0, 2), (2, 3)]),
+            ("prefill TP 1 PP 2 (layers 1 + 2) -> decode TP 1 PP 2 (layers 2 + 1)", 1, 1, None, [(0, 2), (2, 3)],
+             {"prefill_pp": 2, "prefill_pp_layer_partition": "1,2"}),
+        ]
+        for name, p, d, part, ranges, *kw in cases:
+            with self.subTest(name):
+                got = self.run_pair("pp", p, d, decode_pp=2, decode_pp_layer_partition=part,
+                                    check=stages(ranges, part), **(kw[0] if kw else {}))
+                self.assertEqual(got, self.want[("pp", "bf16")])
+
+    def test_wrong_head_slice_is_caught(self):
+        """One decode rank given another rank's head slice after the load
+        (what a planner bug choosing the wrong slice would leave): the
+        tokens differ from the monolith's."""
+
+        def copy_rank(src, dst):
+            def f(inst, req):
+                for ls, ld in zip(inst.caches[src], inst.caches[dst]):
+                    for ts, td in zip(ls, ld):
+                        td[req.block_ids] = ts[req.block_ids]
+            return f
+
+        cases = [("GQA TP 2->4: rank 1 holds head 0 instead of 1", "gqa", 2, 4, copy_rank(0, 1)),
+                 ("2 KV heads, TP 2->4: rank 2 holds head 0 instead of 1", "kv2", 2, 4, copy_rank(0, 2))]
+        for name, m, p, d, f in cases:
+            with self.subTest(name):
+                with Pair(self.models[m], p, d) as pair:
+                    toks, info = pair.run("bad-%s" % m, self.ps[0], MAX_TOKENS, after_load=f)
+                    self.assertTrue(info["loaded"])
+                    self.assertNotEqual(toks, self.want[(m, "bf16")][0])
 
 
 if __name__ == "__main__":

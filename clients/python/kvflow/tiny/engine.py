@@ -24,6 +24,7 @@ from .. import client as kc
 from ..scheduler import FINISHED_LENGTH_CAPPED
 from ..sidecar import free_port_base
 from ..vllm import KVConnectorRole, KvflowConnector, cache_tensors
+from ..parallel import PartitionError, kv_heads_per_rank, pp_indices
 from .model import TinyModel
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -58,58 +59,82 @@ class Blocks:
 
 
 class Instance:
-    """One engine instance: role "mono", "prefill" or "decode", TP ranks."""
+    """One engine instance: role "mono", "prefill" or "decode", TP ranks
+    in each of pp pipeline stages (stage s holds layers pp_indices(layers,
+    s, pp, pp_layer_partition), vLLM's get_pp_indices with
+    VLLM_PP_LAYER_PARTITION). other_tp/other_pp/other_pp_layer_partition
+    describe the peer instance."""
 
     def __init__(self, model, role, tp=1, dtype="bf16", num_blocks=64, engine_id=None, kv_port=None,
-                 other_tp=1, workdir=None, zero_copy=True, prefix_caching=False, kvflow_opts=None):
-        self.model, self.role, self.tp = model, role, tp
+                 other_tp=1, workdir=None, zero_copy=True, prefix_caching=False, kvflow_opts=None,
+                 pp=1, pp_layer_partition=None, other_pp=1, other_pp_layer_partition=None):
+        self.model, self.role, self.tp, self.pp = model, role, tp, pp
+        self.world = tp * pp  # workers that each report a request finished
         c = model.cfg
-        if (c.q_heads if c.mla else c.kv_heads) % tp:
-            raise EngineError("heads not divisible by TP %d" % tp)
+        if c.q_heads % tp or (not c.mla and c.kv_heads % tp and tp % c.kv_heads):
+            raise EngineError("TP %d does not divide %d query heads, or neither divides nor is a multiple of "
+                              "%d KV heads" % (tp, c.q_heads, c.kv_heads))
+        if role == "mono" and pp != 1:
+            raise EngineError("the monolith runs PP 1")
+        try:
+            self.layer_ranges = [pp_indices(c.layers, s, pp, pp_layer_partition) for s in range(pp)]
+        except PartitionError as e:
+            raise EngineError("%s instance: %s" % (role, e)) from e
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.free = list(range(num_blocks - 1, -1, -1))
         self.prefix = {} if prefix_caching else None  # hash of tokens up to a full block -> block id
         self.engine_id = engine_id or "tiny-%s-%d" % (role, os.getpid())
         self.workdir = workdir
-        self.caches = []   # [rank][layer] (K, V)
+        self.caches = []   # [worker][layer - stage start] (K, V); worker = pp_rank * tp + tp_rank
+        self.stages = []   # per PP stage: (first layer, end layer, its TP ranks' caches)
         self._files = []
         self.connectors = []
         self.scheduler = None
         self.timings = {}
-        hpr = c.kv_heads // tp
+        hpr = kv_heads_per_rank(c.kv_heads, tp)
         if c.mla:
             shapes = [(num_blocks, c.block_size, 1, c.kv_lora_rank), (num_blocks, c.block_size, 1, c.rope_dim)]
             kw = {"mla": True, "kv_lora_rank": c.kv_lora_rank, "qk_rope_head_dim": c.rope_dim}
         else:
             shapes = [(num_blocks, c.block_size, hpr, c.head_dim)] * 2
             kw = {"num_kv_heads": hpr, "head_dim": c.head_dim}
-        for r in range(tp):
-            if role != "mono" and zero_copy:
-                path = os.path.join(workdir, "%s-r%d.kv" % (self.engine_id, r))
-                f = kc.create_cache(path, c.layers, num_blocks, c.block_size, dtype, **kw)
-                self._files.append(f)
-                t = cache_tensors(f)
-                self.caches.append([(t[l][0], t[l][1]) for l in range(c.layers)])
-            else:
-                self.caches.append([tuple(torch.zeros(sh, dtype=DTYPES[dtype]) for sh in shapes)
-                                    for _ in range(c.layers)])
+        for s, (lo, hi) in enumerate(self.layer_ranges):
+            for r in range(tp):
+                if role != "mono" and zero_copy:
+                    path = os.path.join(workdir, "%s-pp%d-r%d.kv" % (self.engine_id, s, r))
+                    f = kc.create_cache(path, hi - lo, num_blocks, c.block_size, dtype, **kw)
+                    self._files.append(f)
+                    t = cache_tensors(f)
+                    self.caches.append([(t[l][0], t[l][1]) for l in range(hi - lo)])
+                else:
+                    self.caches.append([tuple(torch.zeros(sh, dtype=DTYPES[dtype]) for sh in shapes)
+                                        for _ in range(hi - lo)])
+            self.stages.append((lo, hi, self.caches[s * tp:(s + 1) * tp]))
         if role == "mono":
             return
-        self.kv_port = kv_port if kv_port is not None else free_port_base(tp)
+        self.kv_port = kv_port if kv_port is not None else free_port_base(self.world)
         ptp, dtp = (tp, other_tp) if role == "prefill" else (other_tp, tp)
+        ppp, dpp = (pp, other_pp) if role == "prefill" else (other_pp, pp)
+        ppart, dpart = ((pp_layer_partition, other_pp_layer_partition) if role == "prefill"
+                        else (other_pp_layer_partition, pp_layer_partition))
         opts = {"bin": None, "workdir": workdir, "shm_dir": workdir, "host": "127.0.0.1"}
+        if ppart:
+            opts["pp_layer_partition"] = ppart
+        if dpart:
+            opts["decode_pp_layer_partition"] = dpart
         opts.update(kvflow_opts or {})
-        for r in range(-1, tp):
-            o = dict(opts, tp_rank=max(r, 0))
+        for w in range(-1, self.world):
+            o = dict(opts, tp_rank=max(w, 0) % tp, pp_rank=max(w, 0) // tp)
             vcfg = types.SimpleNamespace(
                 kv_transfer_config=types.SimpleNamespace(
                     kv_connector="KvflowConnector", kv_connector_module_path="kvflow.vllm",
                     engine_id=self.engine_id, kv_role="kv_producer" if role == "prefill" else "kv_consumer",
                     kv_port=self.kv_port, kv_buffer_device="cpu",
-                    kv_connector_extra_config={"prefill": {"tp_size": ptp, "dp_size": 1},
-                                               "decode": {"tp_size": dtp, "dp_size": 1}, "kvflow": o}),
-                parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
+                    kv_connector_extra_config={"prefill": {"tp_size": ptp, "dp_size": 1, "pp_size": ppp},
+                                               "decode": {"tp_size": dtp, "dp_size": 1, "pp_size": dpp},
+                                               "kvflow": o}),
+                parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                                       data_parallel_size=1, data_parallel_rank=0),
                 cache_config=types.SimpleNamespace(block_size=c.block_size, cache_dtype="auto"),
                 model_config=types.SimpleNamespace(
@@ -117,13 +142,14 @@ class Instance:
                     hf_config=types.SimpleNamespace(num_hidden_layers=c.layers, num_key_value_heads=c.kv_heads,
                                                     num_attention_heads=c.q_heads, kv_lora_rank=c.kv_lora_rank,
                                                     qk_rope_head_dim=c.rope_dim)))
-            if r < 0:
+            if w < 0:
                 self.scheduler = KvflowConnector(vcfg, KVConnectorRole.SCHEDULER)
             else:
                 self.connectors.append(KvflowConnector(vcfg, KVConnectorRole.WORKER))
         try:
-            for r, conn in enumerate(self.connectors):
-                conn.register_kv_caches({"layers.%d.attn" % l: self.caches[r][l] for l in range(c.layers)})
+            for w, conn in enumerate(self.connectors):
+                lo, hi = self.layer_ranges[w // tp]
+                conn.register_kv_caches({"layers.%d.attn" % l: self.caches[w][l - lo] for l in range(lo, hi)})
         except BaseException:
             self.close()
             raise
@@ -189,7 +215,7 @@ class Instance:
         self._errors |= errors
         if self.scheduler:
             self.scheduler.update_connector_output(
-                types.SimpleNamespace(finished_recving={r for r, n in self._recvd.items() if n >= self.tp}))
+                types.SimpleNamespace(finished_recving={r for r, n in self._recvd.items() if n >= self.world}))
         return out
 
     def _count(self, d, rid, n):
@@ -209,7 +235,7 @@ class Instance:
         hit = self._prefix_hit(prompt)
         req.block_ids = hit + self._alloc(self._blocks_for(len(prompt) + max_tokens) - len(hit))
         start = len(hit) * self.model.cfg.block_size
-        logits = self.model.forward(prompt[start:], start, req.block_ids, self.caches)
+        logits = self.model.forward(prompt[start:], start, req.block_ids, stages=self.stages)
         self._decode_loop(req, logits)
         self._release(req)
         return req.output_token_ids
@@ -221,7 +247,7 @@ class Instance:
             if len(req.output_token_ids) >= req.max_tokens:
                 return
             n = len(req.prompt_token_ids) + len(req.output_token_ids)
-            logits = self.model.forward([tok], n - 1, req.block_ids, self.caches)
+            logits = self.model.forward([tok], n - 1, req.block_ids, stages=self.stages)
 
     # -- prefill instance -------------------------------------------------------
 
@@ -236,7 +262,8 @@ class Instance:
         req.block_ids = hit + self._alloc(self._blocks_for(len(prompt)) - len(hit))
         self.scheduler.update_state_after_alloc(req, Blocks(req.block_ids[len(hit):]), n)
         start = len(hit) * self.model.cfg.block_size
-        logits = self._step(lambda: self.model.forward(prompt[start:], start, req.block_ids, self.caches))
+        logits = self._step(lambda: self.model.forward(prompt[start:], start, req.block_ids,
+                                                       stages=self.stages))
         req.output_token_ids.append(int(torch.argmax(logits)))
         req.status = FINISHED_LENGTH_CAPPED
         delay, params = self.scheduler.request_finished(req, list(req.block_ids))
@@ -258,7 +285,7 @@ class Instance:
         finished sending. Returns the ids freed."""
         self._reset_counts()
         self._step()
-        freed = [r for r, n in self._sent.items() if n >= self.tp and r in self._held]
+        freed = [r for r, n in self._sent.items() if n >= self.world and r in self._held]
         for r in freed:
             self._release(self._held.pop(r))
             del self._sent[r]
@@ -288,7 +315,7 @@ class Instance:
         failed = False
         if is_async:
             deadline = time.monotonic() + timeout
-            while self._recvd.get(request_id, 0) < self.tp:
+            while self._recvd.get(request_id, 0) < self.world:
                 if time.monotonic() > deadline:
                     raise EngineError("decode %s: load not finished within %.0fs" % (request_id, timeout))
                 if on_step is not None:
@@ -296,7 +323,7 @@ class Instance:
                 self._step()
                 if peer is not None:
                     peer.poll()
-                if self._recvd.get(request_id, 0) < self.tp:
+                if self._recvd.get(request_id, 0) < self.world:
                     time.sleep(0.001)
             del self._recvd[request_id]
             failed = bool(self._errors & set(ext_blocks))
@@ -307,10 +334,10 @@ class Instance:
         t1 = time.perf_counter()
         if failed or not is_async:
             # recompute everything not held locally (vLLM: kv_load_failure_policy recompute)
-            logits = self.model.forward(prompt[computed:], computed, req.block_ids, self.caches)
+            logits = self.model.forward(prompt[computed:], computed, req.block_ids, stages=self.stages)
         else:
             # the pulled KV covers the prompt; the last prompt token is computed here
-            logits = self.model.forward(prompt[-1:], len(prompt) - 1, req.block_ids, self.caches)
+            logits = self.model.forward(prompt[-1:], len(prompt) - 1, req.block_ids, stages=self.stages)
         t_first = time.perf_counter() - t1
         self._decode_loop(req, logits)
         req.status = FINISHED_LENGTH_CAPPED
@@ -328,6 +355,7 @@ class Instance:
                 pass
         self.connectors = []
         self.caches = []
+        self.stages = []
         for f in self._files:
             path = f.path
             f.close()

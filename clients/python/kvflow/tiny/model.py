@@ -6,15 +6,24 @@ position embeddings, greedy decoding. The KV cache is held per tensor-
 parallel rank: rank r of an instance of TP t holds KV heads
 [r*H/t, (r+1)*H/t) of every layer as K and V tensors of
 [num_blocks, block_size, H/t, head_dim] in the cache dtype (bf16, fp16 or
-fp32), exactly as kvflow lays out one rank's cache file.
+fp32), exactly as kvflow lays out one rank's cache file; when t > H, the
+heads are replicated as vLLM does: rank r holds head r // (t/H) alone.
+Each rank attends its own query heads [r*Q/t, (r+1)*Q/t) over its own
+cache, so every rank's cache is used. With pipeline parallelism each
+stage's ranks hold only that stage's layers (vLLM's get_pp_indices) and
+the activations pass from stage to stage.
 
-TP here splits the KV cache (what kvflow moves and stitches); the matrix
-products are computed once per instance, the same for every TP, so that a
-TP 4 prefill and a TP 2 decode compute what a TP 1 monolith computes."""
+TP here splits the KV cache and attention (what kvflow moves and
+stitches); the projections are computed once per instance, the same for
+every TP, so that a TP 4 prefill and a TP 2 decode compute what a TP 1
+monolith computes."""
 
 import math
+import types
 
 import torch
+
+from ..parallel import kv_head_start, kv_heads_per_rank
 
 
 class TinyConfig:
@@ -76,55 +85,69 @@ class TinyModel:
     def _norm(x):
         return x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
 
-    def forward(self, tokens, start, block_table, ranks):
+    def forward(self, tokens, start, block_table, ranks=None, stages=None):
         """Run tokens (list of ids) at positions start..start+n-1 of a
         sequence whose positions 0..start-1 are already in the cache.
         block_table: the sequence's block ids; ranks: per TP rank, per
-        layer, (K, V) tensors. Writes the new positions' K/V and returns
-        the logits of the last token (float64)."""
+        layer, (K, V) tensors; or stages: per PP stage (first layer, end
+        layer, ranks), each rank holding that stage's layers only (the
+        activations pass from stage to stage). Writes the new positions'
+        K/V and returns the logits of the last token (float64)."""
         c = self.cfg
+        if stages is None:
+            stages = [(0, c.layers, ranks)]
         n = len(tokens)
         end = start + n
         pos = torch.arange(start, end)
-        x = self.embed[torch.tensor(tokens, dtype=torch.long)]
-        hpr = c.kv_heads // len(ranks)
         bs = c.block_size
         nblk = (end + bs - 1) // bs
-        table = torch.tensor(block_table[:nblk], dtype=torch.long)
-        slots_blk = table[pos // bs]
-        slots_off = pos % bs
+        st = types.SimpleNamespace(
+            n=n, end=end, pos=pos, nblk=nblk, table=torch.tensor(block_table[:nblk], dtype=torch.long),
+            causal=torch.arange(end)[None, :] <= pos[:, None])  # [n, end]
+        st.slots_blk, st.slots_off = st.table[pos // bs], pos % bs
+        x = self.embed[torch.tensor(tokens, dtype=torch.long)]
+        for lo, hi, stage_ranks in stages:
+            x = self._stage(x, lo, hi, stage_ranks, st)
+        return (self._norm(x[-1]) @ self.out)
+
+    def _stage(self, x, lo, hi, ranks, st):
+        """Layers [lo, hi) over one PP stage's TP ranks (ranks[r][li - lo])."""
+        c = self.cfg
+        n, end, bs = st.n, st.end, c.block_size
+        tp = len(ranks)
         group = c.q_heads // c.kv_heads
-        causal = torch.arange(end)[None, :] <= pos[:, None]  # [n, end]
-        for li, L in enumerate(self.layers):
+        qpr = c.q_heads // tp
+        for li in range(lo, hi):
+            L = self.layers[li]
             h = self._norm(x)
             if c.mla:
-                a = self._mla(L, h, pos, li, ranks, table, nblk, slots_blk, slots_off, causal, end)
-                x = x + a @ L["wo"]
-                h2 = self._norm(x)
-                x = x + (torch.nn.functional.silu(h2 @ L["w1"]) * (h2 @ L["w3"])) @ L["w2"]
-                continue
-            q = self._rope((h @ L["wq"]).view(n, c.q_heads, c.head_dim), pos)
-            k = self._rope((h @ L["wk"]).view(n, c.kv_heads, c.head_dim), pos)
-            v = (h @ L["wv"]).view(n, c.kv_heads, c.head_dim)
-            ks, vs = [], []
-            for r, rank in enumerate(ranks):
-                kc, vc = rank[li]
-                sl = slice(r * hpr, (r + 1) * hpr)
-                kc[slots_blk, slots_off] = k[:, sl].to(kc.dtype)
-                vc[slots_blk, slots_off] = v[:, sl].to(vc.dtype)
-                ks.append(kc[table].reshape(nblk * bs, hpr, c.head_dim)[:end])
-                vs.append(vc[table].reshape(nblk * bs, hpr, c.head_dim)[:end])
-            K = torch.cat(ks, dim=1).to(torch.float64)  # [end, kv_heads, d]
-            V = torch.cat(vs, dim=1).to(torch.float64)
-            K = K.repeat_interleave(group, dim=1)       # [end, q_heads, d]
-            V = V.repeat_interleave(group, dim=1)
-            s = torch.einsum("nhd,thd->hnt", q, K) / math.sqrt(c.head_dim)
-            s = s.masked_fill(~causal[None], float("-inf"))
-            a = torch.einsum("hnt,thd->nhd", torch.softmax(s, dim=-1), V).reshape(n, -1)
+                a = self._mla(L, h, st.pos, li - lo, ranks, st.table, st.nblk, st.slots_blk, st.slots_off,
+                              st.causal, end)
+            else:
+                q = self._rope((h @ L["wq"]).view(n, c.q_heads, c.head_dim), st.pos)
+                k = self._rope((h @ L["wk"]).view(n, c.kv_heads, c.head_dim), st.pos)
+                v = (h @ L["wv"]).view(n, c.kv_heads, c.head_dim)
+                hpr = kv_heads_per_rank(c.kv_heads, tp)
+                outs = []
+                for r, rank in enumerate(ranks):
+                    # rank r: query heads [r*qpr, (r+1)*qpr) over its own KV
+                    # heads [h0, h0+hpr), as a TP rank computes them
+                    kc, vc = rank[li - lo]
+                    h0 = kv_head_start(c.kv_heads, tp, r)
+                    kc[st.slots_blk, st.slots_off] = k[:, h0:h0 + hpr].to(kc.dtype)
+                    vc[st.slots_blk, st.slots_off] = v[:, h0:h0 + hpr].to(vc.dtype)
+                    K = kc[st.table].reshape(st.nblk * bs, hpr, c.head_dim)[:end].to(torch.float64)
+                    V = vc[st.table].reshape(st.nblk * bs, hpr, c.head_dim)[:end].to(torch.float64)
+                    idx = torch.tensor([(r * qpr + j) // group - h0 for j in range(qpr)], dtype=torch.long)
+                    K, V = K[:, idx], V[:, idx]  # [end, qpr, d]
+                    s = torch.einsum("nhd,thd->hnt", q[:, r * qpr:(r + 1) * qpr], K) / math.sqrt(c.head_dim)
+                    s = s.masked_fill(~st.causal[None], float("-inf"))
+                    outs.append(torch.einsum("hnt,thd->nhd", torch.softmax(s, dim=-1), V))
+                a = torch.cat(outs, dim=1).reshape(n, -1)
             x = x + a @ L["wo"]
             h2 = self._norm(x)
             x = x + (torch.nn.functional.silu(h2 @ L["w1"]) * (h2 @ L["w3"])) @ L["w2"]
-        return (self._norm(x[-1]) @ self.out)
+        return x
 
     def _mla(self, L, h, pos, li, ranks, table, nblk, slots_blk, slots_off, causal, end):
         """MLA attention: every rank caches the same latent and rotary key

@@ -26,20 +26,26 @@ def workdir():
 
 
 class Pair:
-    """A prefill instance (TP p) and a decode instance (TP d), each rank
-    with its own kvflow serve."""
+    """A prefill instance (TP p, PP prefill_pp) and a decode instance (TP
+    d, PP decode_pp), layers split by the partitions or vLLM's default,
+    each rank with its own kvflow serve."""
 
     def __init__(self, model, p, d, dtype="bf16", num_blocks=64, decode_zero_copy=True, prefill_zero_copy=True,
-                 prefix_caching=False, kvflow_opts=None, dir=None):
+                 prefix_caching=False, kvflow_opts=None, dir=None, decode_pp=1, decode_pp_layer_partition=None,
+                 prefill_pp=1, prefill_pp_layer_partition=None):
         self.dir = dir or workdir()
         self._own_dir = dir is None
         self.prefill = self.decode = None
         for attempt in range(3):
             try:
                 self.prefill = Instance(model, "prefill", tp=p, dtype=dtype, num_blocks=num_blocks, other_tp=d,
+                                        pp=prefill_pp, pp_layer_partition=prefill_pp_layer_partition,
+                                        other_pp=decode_pp, other_pp_layer_partition=decode_pp_layer_partition,
                                         engine_id="tiny-p-%d" % os.getpid(), workdir=self.dir,
                                         zero_copy=prefill_zero_copy, kvflow_opts=kvflow_opts)
                 self.decode = Instance(model, "decode", tp=d, dtype=dtype, num_blocks=num_blocks, other_tp=p,
+                                       pp=decode_pp, pp_layer_partition=decode_pp_layer_partition,
+                                       other_pp=prefill_pp, other_pp_layer_partition=prefill_pp_layer_partition,
                                        engine_id="tiny-d-%d" % os.getpid(), workdir=self.dir,
                                        zero_copy=decode_zero_copy, prefix_caching=prefix_caching,
                                        kvflow_opts=kvflow_opts)
@@ -98,20 +104,25 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="kvflow tiny engine: monolithic vs disaggregated generation")
     ap.add_argument("--prefill-tp", type=int, default=4)
     ap.add_argument("--decode-tp", type=int, default=2)
+    ap.add_argument("--decode-pp", type=int, default=1, help="decode pipeline stages")
+    ap.add_argument("--decode-pp-layer-partition", default=None,
+                    help="decode's VLLM_PP_LAYER_PARTITION, e.g. 1,3 (default: vLLM's split)")
+    ap.add_argument("--kv-heads", type=int, default=4, help="KV heads (8 query heads)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--layers", type=int, default=4)
     a = ap.parse_args(argv)
-    cfg = TinyConfig(layers=a.layers, block_size=16, kv_heads=4, q_heads=8, head_dim=32, hidden=128, ffn=256)
+    cfg = TinyConfig(layers=a.layers, block_size=16, kv_heads=a.kv_heads, q_heads=8, head_dim=32, hidden=128, ffn=256)
     model = TinyModel(cfg)
     ps = prompts(a.requests, a.prompt_len, cfg.vocab)
     t0 = time.perf_counter()
     want = monolith(model, a.dtype, ps, a.max_tokens)
     t_mono = time.perf_counter() - t0
     got, infos = [], []
-    with Pair(model, a.prefill_tp, a.decode_tp, dtype=a.dtype, num_blocks=16 * a.requests) as pair:
+    with Pair(model, a.prefill_tp, a.decode_tp, dtype=a.dtype, num_blocks=16 * a.requests, decode_pp=a.decode_pp,
+              decode_pp_layer_partition=a.decode_pp_layer_partition) as pair:
         t0 = time.perf_counter()
         for i, p in enumerate(ps):
             toks, info = pair.run("req-%d" % i, p, a.max_tokens)
@@ -126,8 +137,9 @@ def main(argv=None):
           % (cfg.layers, cfg.kv_heads, cfg.head_dim, a.dtype, cfg.block_size, a.requests, a.prompt_len,
              a.max_tokens))
     print("monolith TP 1:          %7.1f tokens/s" % (n_tok / t_mono))
-    print("disaggregated TP %d->%d:  %7.1f tokens/s (kvflow: %d + %d kvflow serve sidecars)"
-          % (a.prefill_tp, a.decode_tp, n_tok / t_dis, a.prefill_tp, a.decode_tp))
+    print("disaggregated TP %d->%d%s:  %7.1f tokens/s (kvflow: %d + %d kvflow serve sidecars)"
+          % (a.prefill_tp, a.decode_tp, " PP %d" % a.decode_pp if a.decode_pp > 1 else "", n_tok / t_dis,
+             a.prefill_tp, a.decode_tp * a.decode_pp))
     print("time to first token:    %7.2f ms mean, transfer %.2f ms = %.0f%% of it"
           % (ttft * 1e3, load * 1e3, 100 * load / ttft))
     print("tokens identical: %s" % ("yes" if ok else "NO"))

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from .. import client as kc
+from ..parallel import PartitionError, kv_head_start, kv_heads_per_rank, pp_indices
 from ..scheduler import ConnectorMetadata, SchedulerRules
 from ..sidecar import Sidecar, worker_config
 
@@ -91,7 +92,17 @@ class KvflowConnector(KVConnectorBase_V1):
     "{tp}", "{pp}", "{dp}" are replaced by this rank's), host (the side
     channel host advertised to peers; default the host's address),
     control_timeout_ms (10000), sidecar (extra config sections for kvflow
-    serve), tp_rank/pp_rank (when vLLM's parallel state is unavailable).
+    serve), tp_rank/pp_rank (when vLLM's parallel state is unavailable),
+    pp_layer_partition / decode_pp_layer_partition (the prefill's and the
+    decode's VLLM_PP_LAYER_PARTITION; this instance's own defaults to the
+    environment variable).
+
+    Ranks: a rank holds max(1, kv_heads // tp) KV heads (head
+    rank // (tp // kv_heads) when TP exceeds the heads, as vLLM replicates
+    them), and with PP the layers of vLLM's get_pp_indices for its stage;
+    this instance's tp_size and pp_size go into the sidecar's
+    kv_connector_extra_config from parallel_config (a different value
+    there is a ConfigError).
     """
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
@@ -240,23 +251,43 @@ class KvflowConnector(KVConnectorBase_V1):
         elif not isinstance(total, int) or total < 1:
             problems.append("model_config.hf_config.num_key_value_heads is %r" % (total,))
         else:
+            want = kv_heads_per_rank(total, self.tp_size)
             if total >= self.tp_size and total % self.tp_size:
                 problems.append("%d KV heads are not divisible by tensor_parallel_size %d" % (total, self.tp_size))
             elif total < self.tp_size and self.tp_size % total:
                 problems.append("tensor_parallel_size %d is not a multiple of %d KV heads" % (self.tp_size, total))
-            elif heads != max(1, total // self.tp_size):
-                problems.append("cache tensors hold %d KV heads, the model has %d over TP %d (want %d)"
-                                % (heads, total, self.tp_size, max(1, total // self.tp_size)))
+            elif heads != want:
+                problems.append("cache tensors hold %d KV heads, the model has %d over TP %d (want %d%s)"
+                                % (heads, total, self.tp_size, want,
+                                   ", head %d replicated over %d ranks" % (
+                                       kv_head_start(total, self.tp_size, self.tp_rank), self.tp_size // total)
+                                   if self.tp_size > total else ""))
             if tuple(layers[0][1].shape) != (nb, bs, heads, hd):
                 problems.append("V %s differs from K %s" % (_desc(layers[0][1]), _desc(layers[0][0])))
         n_layers = _get(hf, "num_hidden_layers")
+        partitions = self._partitions()
         if self.pp_size == 1 and n_layers is not None and n_layers != len(layers):
             problems.append("%d cache layers, model has %d" % (len(layers), n_layers))
+        elif self.pp_size > 1 and not isinstance(n_layers, int):
+            problems.append("pipeline_parallel_size %d needs model_config.hf_config.num_hidden_layers (got %r)"
+                            % (self.pp_size, n_layers))
+        elif self.pp_size > 1:
+            own = partitions["decode_pp_layer_partition" if not self._is_prefill() else "pp_layer_partition"]
+            try:
+                lo, hi = pp_indices(n_layers, self.pp_rank, self.pp_size, own)
+            except PartitionError as e:
+                problems.append(str(e))
+            else:
+                if hi - lo != len(layers):
+                    problems.append("%d cache layers, PP stage %d of %d holds layers [%d, %d) of %d%s"
+                                    % (len(layers), self.pp_rank, self.pp_size, lo, hi, n_layers,
+                                       " (partition %s)" % own if own else ""))
         if self.block_size is not None and bs != self.block_size:
             problems.append("cache block size %d, cache_config.block_size %d" % (bs, self.block_size))
         if problems:
             raise ConfigError("kvflow register_kv_caches: inconsistent vLLM config: " + "; ".join(problems))
         model = {"num_layers": n_layers or len(layers), "block_size": bs, "dtype": TORCH_DTYPES[dt], "num_blocks": nb}
+        model.update({k: v for k, v in partitions.items() if v})
         if mla:
             model.update({"num_kv_heads": 1, "mla": True, "kv_lora_rank": lora, "qk_rope_head_dim": rope})
             shape_kw = {"mla": True, "kv_lora_rank": lora, "qk_rope_head_dim": rope}
@@ -265,11 +296,27 @@ class KvflowConnector(KVConnectorBase_V1):
             shape_kw = {"num_kv_heads": heads, "head_dim": hd}
         return layers, model, shape_kw
 
+    def _partitions(self):
+        """The instances' VLLM_PP_LAYER_PARTITION strings for the sidecar's
+        model section: pp_layer_partition (the prefill's) and
+        decode_pp_layer_partition (the decode's), from the kvflow settings;
+        this instance's own defaults to $VLLM_PP_LAYER_PARTITION, which vLLM
+        read to place its layers."""
+        out = {}
+        for key in ("pp_layer_partition", "decode_pp_layer_partition"):
+            v = self.opts.get(key)
+            own = (key == "pp_layer_partition") == self._is_prefill()
+            if v is None and own and self.pp_size > 1:
+                v = os.environ.get("VLLM_PP_LAYER_PARTITION")
+            out[key] = str(v) if v not in (None, "") else None
+        return out
+
     def register_kv_caches(self, kv_caches):
         if self.kv_role not in ("kv_producer", "kv_consumer"):
             raise ConfigError("kvflow register_kv_caches: kv_role %r: kvflow runs kv_producer (prefill) or "
                               "kv_consumer (decode) instances" % (self.kv_role,))
         layers, model, shape_kw = self._model_shape(kv_caches)
+        sides = self._sides()
         # Zero-copy when the tensors are kvflow's cache file (mapped here).
         k0 = layers[0][0]
         cache = kc.find_mapped_cache(k0.data_ptr()) if k0.device.type == "cpu" else None
@@ -298,19 +345,34 @@ class KvflowConnector(KVConnectorBase_V1):
             self._device_caches = layers
         self.cache = cache
         self._file = cache_tensors(cache)
-        self._start_sidecar(model, name)
+        self._start_sidecar(model, name, sides)
 
     def _is_prefill(self):
         return self.kv_role == "kv_producer"
 
-    def _start_sidecar(self, model, name):
-        kv = self._kv_transfer_config
-        extra = _get(kv, "kv_connector_extra_config") or {}
+    def _sides(self):
+        """kv_connector_extra_config's prefill and decode layouts, this
+        instance's tp_size and pp_size filled in from parallel_config (a
+        different value there is a ConfigError)."""
+        extra = _get(self._kv_transfer_config, "kv_connector_extra_config") or {}
+        sides = {}
         for side in ("prefill", "decode"):
             p = extra.get(side)
             if not isinstance(p, dict) or "tp_size" not in p or "dp_size" not in p:
                 raise ConfigError("kvflow: kv_connector_extra_config.%s needs tp_size and dp_size (got %r)"
                                   % (side, p))
+            sides[side] = dict(p)
+        name = "prefill" if self._is_prefill() else "decode"
+        own = sides[name]
+        for key, mine in (("tp_size", self.tp_size), ("pp_size", self.pp_size)):
+            got = own.get(key, 1 if key == "pp_size" else None)
+            if got != mine:
+                raise ConfigError("kvflow: kv_connector_extra_config.%s.%s is %r, this instance's "
+                                  "parallel_config says %d" % (name, key, got, mine))
+            own[key] = mine
+        return sides
+
+    def _start_sidecar(self, model, name, sides):
         timeout = int(self.opts.get("control_timeout_ms", 10000))
         ranks = {"tp": self.tp_rank, "pp": self.pp_rank, "dp": self.dp_rank}
         if self.opts.get("control"):
@@ -321,7 +383,7 @@ class KvflowConnector(KVConnectorBase_V1):
         workdir = self.opts.get("workdir") or os.path.join("/tmp", "kvflow-" + self.engine_id)
         os.makedirs(workdir, exist_ok=True)
         role = "prefill" if self._is_prefill() else "decode"
-        cfg = worker_config(role, self.engine_id, self.kv_port, extra["prefill"], extra["decode"], model, ranks,
+        cfg = worker_config(role, self.engine_id, self.kv_port, sides["prefill"], sides["decode"], model, ranks,
                             self.cache.path, "ipc://" + os.path.join(workdir, name + ".sock"),
                             cache_mode="shm_attach", host=self.host, extra=self.opts.get("sidecar"))
         self.sidecar = Sidecar.launch(cfg, workdir, name, exe=self.opts.get("bin"), timeout_ms=timeout)
