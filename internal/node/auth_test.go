@@ -15,9 +15,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvflow/kvflow/hw/mooncake"
-	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/decode"
+	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/sidechannel"
 )
 
