@@ -193,6 +193,7 @@ type Worker struct {
 	release []release
 
 	shutdownDones *prometheus.CounterVec
+	failures      *prometheus.CounterVec // by failureReason
 
 	requests *prometheus.CounterVec
 	latency  *prometheus.HistogramVec
@@ -259,7 +260,17 @@ func New(o Options) (*Worker, error) {
 		Name: "kvflow_decode_shutdown_dones_total",
 		Help: "DONEs sent at shutdown for requests canceled before their notify stage (the prefill then frees their blocks at once), by result (acked, failed).",
 	}, []string{"result"})
-	for _, c := range []prometheus.Collector{w.requests, w.latency, w.bytes, w.stale, w.lost, w.shutdownDones} {
+	w.failures = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvflow_decode_failures_total",
+		Help: "Failed decode requests by reason: aborted, shutdown, timeout, incompatible (peer cache or topology differs), stale (stale read or lost lease refused), peer_restarted, short_read, or the stage that failed (handshake, read, stitch, notify), other.",
+	}, []string{"reason"})
+	for _, r := range failureReasons {
+		w.failures.WithLabelValues(r)
+	}
+	for _, r := range []string{"acked", "failed"} {
+		w.shutdownDones.WithLabelValues(r)
+	}
+	for _, c := range []prometheus.Collector{w.requests, w.latency, w.bytes, w.stale, w.lost, w.shutdownDones, w.failures} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("decode: register metrics: %w", err)
 		}
@@ -711,6 +722,10 @@ func (w *Worker) sink(r pipeline.Result[*job.Job]) {
 			err = fmt.Errorf("stage %s: %w", r.Stage, err)
 		}
 	}
+	reason := ""
+	if err != nil {
+		reason = failureReason(err, r.Stage)
+	}
 	lat := time.Since(j.Submitted)
 	if w.rn != nil {
 		w.rn.remove(j.Req.ID)
@@ -746,7 +761,8 @@ func (w *Worker) sink(r pipeline.Result[*job.Job]) {
 	} else {
 		w.requests.WithLabelValues("failed").Inc()
 		w.latency.WithLabelValues("failed").Observe(lat.Seconds())
-		w.log.Warn("request failed", "request_id", j.Req.ID, "blocks", len(j.Req.LocalBlockIDs), "err", err)
+		w.failures.WithLabelValues(reason).Inc()
+		w.log.Warn("request failed", "request_id", j.Req.ID, "blocks", len(j.Req.LocalBlockIDs), "reason", reason, "err", err)
 	}
 	if w.opts.OnFinish != nil {
 		w.opts.OnFinish(Result{RequestID: j.Req.ID, Err: err, Bytes: j.BytesRead.Load(), Latency: lat, BlockIDs: j.Req.LocalBlockIDs})
