@@ -227,4 +227,7 @@ func TestPrefillRestartWithOtherCache(t *testing.T) {
 	if n := counter(t, c.regs[c.decode[0]], "kvflow_handshake_peer_mismatches_total", map[string]string{"field": "block_size"}); n < 1 {
 		t.Errorf("%v block_size mismatches counted, want >= 1", n)
 	}
+	if n := counter(t, c.regs[c.decode[0]], "kvflow_decode_failures_total", map[string]string{"reason": "incompatible"}); n != 1 {
+		t.Errorf("%v failures counted as incompatible, want 1", n)
+	}
 }
