@@ -24,11 +24,14 @@ const (
 )
 
 type metrics struct {
-	bytes    *prometheus.CounterVec
-	ops      *prometheus.CounterVec
-	batch    *prometheus.HistogramVec
-	conns    *prometheus.GaugeVec
-	rejected *prometheus.CounterVec
+	bytes *prometheus.CounterVec
+	ops   *prometheus.CounterVec
+	batch *prometheus.HistogramVec
+	conns *prometheus.GaugeVec
+	// targetConns is conns{role="target"}, resolved once (updated per
+	// accepted connection).
+	targetConns prometheus.Gauge
+	rejected    *prometheus.CounterVec
 	// Connections closed at accept (by port and reason) and cut by a
 	// deadline before or between requests (by port and reason).
 	connRefused  *prometheus.CounterVec
@@ -140,7 +143,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		}
 	}
 	m.conns.WithLabelValues(roleInitiator)
-	m.conns.WithLabelValues(roleTarget)
+	m.targetConns = m.conns.WithLabelValues(roleTarget)
 	for _, r := range []string{reasonUnregistered, reasonNotGranted, reasonWriteRefused, reasonBadOpcode, reasonZeroLength} {
 		m.rejected.WithLabelValues(r)
 	}
