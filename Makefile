@@ -4,7 +4,7 @@ PKGS      ?= ./...
 TESTFLAGS ?= -race -count=1 -timeout 8m
 BIN       := bin/kvflow
 
-.PHONY: all deps build test test-nocgo vet vet-mooncake demo bench soak e2e-prometheus fmt clean
+.PHONY: all deps build test test-nocgo test-mooncake vet vet-mooncake demo bench soak e2e-prometheus fmt clean
 
 all: build
 
@@ -25,6 +25,13 @@ MOONCAKE_STUB := $(CURDIR)/hw/mooncake/mooncakec/testdata/include
 vet-mooncake: deps
 	CGO_CFLAGS="-I$(MOONCAKE_STUB)" $(GO) vet -tags mooncake $(PKGS)
 	CGO_CFLAGS="-I$(MOONCAKE_STUB)" $(GO) build -tags mooncake $(PKGS)
+
+# Opt-in, not part of make test: the cgo binding built and tested against a
+# real Mooncake (MOONCAKE_PREFIX, or ~/.config/kvflow/mooncake.env written by
+# ../shared/tools/mooncake-build.sh), each test binary in a loopback-only
+# network namespace. Skipped, with a message, when MOONCAKE_PREFIX is unset.
+test-mooncake:
+	GO=$(GO) bash scripts/test-mooncake.sh
 
 # The pure packages (the pipeline and every stage) must build and test
 # without cgo.

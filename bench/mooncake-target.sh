@@ -5,7 +5,7 @@
 # (`kvflow bench te --mode target`). Both targets and every initiator run in
 # one fresh network namespace (loopback only). For each block size, each
 # round runs the initiator once against each target, in alternating order;
-# the script prints every run, then per block size the median GB/s of each
+# the script prints every run, then per block size the median MB/s of each
 # target and the median of the per-round ratios kvflow / Mooncake.
 #
 # Needs a Mooncake build (../shared/tools/mooncake-build.sh):
@@ -16,6 +16,8 @@
 #   BLOCKS="65536 262144" ROUNDS=7 DURATION=5 bench/mooncake-target.sh
 #   THREADS=1 BATCH=128 KVFLOW_BIN=bin/kvflow bench/mooncake-target.sh
 #   MC_TCP_ENABLE_CONNECTION_POOL=1 bench/mooncake-target.sh   # pooled initiator
+#   KVFLOW_BASE_BIN=/tmp/kvflow-main bench/mooncake-target.sh  # and a second kvflow build
+#                                                              # (before/after a change)
 set -euo pipefail
 
 BLOCKS=${BLOCKS:-"4096 16384 65536 262144 1048576"}
@@ -39,9 +41,10 @@ if [[ ! -x "$KVFLOW_BIN" ]]; then
 	(cd "$root" && go build -o "$KVFLOW_BIN" ./cmd/kvflow)
 fi
 KVFLOW_BIN=$(cd "$(dirname "$KVFLOW_BIN")" && pwd)/$(basename "$KVFLOW_BIN")
+KVFLOW_BASE_BIN=${KVFLOW_BASE_BIN:-}
 
 if [[ -z "${KVFLOW_IN_NETNS:-}" ]]; then
-	export KVFLOW_IN_NETNS=1 MOONCAKE_BENCH KVFLOW_BIN BLOCKS ROUNDS DURATION THREADS BATCH BUFFER
+	export KVFLOW_IN_NETNS=1 MOONCAKE_BENCH KVFLOW_BIN KVFLOW_BASE_BIN BLOCKS ROUNDS DURATION THREADS BATCH BUFFER
 	exec unshare -n "$0" "$@"
 fi
 ip link set lo up
@@ -69,48 +72,74 @@ pids+=($!)
 "$KVFLOW_BIN" bench te --mode target --local_server_name 127.0.0.1:17200 \
 	--buffer_size "$BUFFER" >kvflow-target.log 2>&1 &
 pids+=($!)
-
-# Mooncake's P2P handshake picks its own RPC port: read it from the log.
-mc="" kv=""
-for _ in $(seq 300); do
-	mc=$(sed -n 's/.*listening on \([0-9.]*:[0-9]*\).*/\1/p' mooncake-target.log | head -1)
-	grep -q "Target started" kvflow-target.log && grep -q "listen on port" mooncake-target.log && [[ -n "$mc" ]] && kv=127.0.0.1:17200 && break
-	sleep 0.1
-done
-if [[ -z "$mc" || -z "$kv" ]]; then
-	echo "mooncake-target: a target did not start" >&2
-	tail -n 5 mooncake-target.log kvflow-target.log >&2
-	exit 1
+if [[ -n "${KVFLOW_BASE_BIN:-}" ]]; then
+	"$KVFLOW_BASE_BIN" bench te --mode target --local_server_name 127.0.0.1:17250 \
+		--buffer_size "$BUFFER" >base-target.log 2>&1 &
+	pids+=($!)
 fi
 
-# run TARGET BLOCK: one initiator run, prints GB/s.
+# Mooncake's P2P handshake picks its own RPC port: read it from the log.
+mc=""
+for _ in $(seq 300); do
+	mc=$(sed -n 's/.*listening on \([0-9.]*:[0-9]*\).*/\1/p' mooncake-target.log | head -1)
+	if [[ -n "$mc" ]] && grep -q "listen on port" mooncake-target.log && grep -q "Target started" kvflow-target.log &&
+		{ [[ -z "${KVFLOW_BASE_BIN:-}" ]] || grep -q "Target started" base-target.log; }; then
+		break
+	fi
+	mc=""
+	sleep 0.1
+done
+if [[ -z "$mc" ]]; then
+	echo "mooncake-target: a target did not start" >&2
+	tail -n 5 ./*-target.log >&2
+	exit 1
+fi
+names=(mooncake kvflow) addrs=("$mc" 127.0.0.1:17200)
+if [[ -n "${KVFLOW_BASE_BIN:-}" ]]; then names+=(kvflow-base); addrs+=(127.0.0.1:17250); fi
+
+# run TARGET BLOCK: one initiator run, prints MB/s.
 run() {
 	local out
 	out=$("$MOONCAKE_BENCH" --mode initiator --metadata_server P2PHANDSHAKE --protocol tcp \
 		--local_server_name 127.0.0.1:17300 --segment_id "$1" --operation read \
 		--block_size "$2" --batch_size "$BATCH" --threads "$THREADS" --duration "$DURATION" \
-		--buffer_size "$BUFFER" 2>&1) || { echo "initiator failed against $1:" >&2; tail -n 5 <<<"$out" >&2; echo 0; return; }
-	sed -n 's/.*throughput \([0-9.]*\) GB\/s.*/\1/p' <<<"$out" | tail -1
+		--buffer_size "$BUFFER" --report_unit MB --report_precision 0 2>&1) || { echo "initiator failed against $1:" >&2; tail -n 5 <<<"$out" >&2; echo 0; return; }
+	sed -n 's/.*throughput \([0-9.]*\) MB\/s.*/\1/p' <<<"$out" | tail -1
 }
 
 median() { sort -g | awk '{a[NR]=$1} END {if (NR%2) print a[(NR+1)/2]; else printf "%.3f\n", (a[NR/2]+a[NR/2+1])/2}'; }
 
 echo "# transfer_engine_bench initiator (read, batch $BATCH, threads $THREADS, ${DURATION}s, pool ${MC_TCP_ENABLE_CONNECTION_POOL:-off}), $ROUNDS rounds"
-echo "# mooncake target $mc, kvflow target $kv ($("$KVFLOW_BIN" version | head -1))"
+echo "# targets: ${names[*]} at ${addrs[*]}; kvflow at $(git -C "$root" describe --always --dirty 2>/dev/null)"
+n=${#names[@]}
+header="| block (B) |" sep="| ---: |"
+for name in "${names[@]}"; do header+=" $name, median MB/s | runs |"; sep+=" ---: | --- |"; done
+for name in "${names[@]:1}"; do header+=" $name / mooncake (median of rounds) |"; sep+=" ---: |"; done
 summary=()
 for bs in $BLOCKS; do
-	: >"m.$bs" ; : >"k.$bs" ; : >"r.$bs"
+	for name in "${names[@]}"; do : >"$name.$bs"; : >"ratio.$name.$bs"; done
 	for r in $(seq "$ROUNDS"); do
-		if ((r % 2)); then m=$(run "$mc" "$bs"); k=$(run "$kv" "$bs")
-		else k=$(run "$kv" "$bs"); m=$(run "$mc" "$bs"); fi
-		echo "$m" >>"m.$bs"; echo "$k" >>"k.$bs"
-		awk -v k="$k" -v m="$m" 'BEGIN {printf "%.3f\n", (m > 0 ? k / m : 0)}' >>"r.$bs"
-		printf 'block %7d round %d: mooncake %s GB/s, kvflow %s GB/s\n' "$bs" "$r" "$m" "$k"
+		# Rotate the order from round to round.
+		line="block $(printf %7d "$bs") round $r:"
+		declare -A got=()
+		for i in $(seq 0 $((n - 1))); do
+			j=$(((i + r) % n))
+			got[$j]=$(run "${addrs[$j]}" "$bs")
+		done
+		for j in $(seq 0 $((n - 1))); do
+			echo "${got[$j]}" >>"${names[$j]}.$bs"
+			line+=" ${names[$j]} ${got[$j]} MB/s"
+			((j == 0)) || awk -v k="${got[$j]}" -v m="${got[0]}" 'BEGIN {printf "%.3f\n", (m > 0 ? k / m : 0)}' >>"ratio.${names[$j]}.$bs"
+		done
+		unset got
+		echo "$line"
 	done
-	summary+=("$(printf '| %d | %s | %s | %s | %s | %s |' "$bs" "$(median <"m.$bs")" "$(paste -sd/ "m.$bs")" \
-		"$(median <"k.$bs")" "$(paste -sd/ "k.$bs")" "$(median <"r.$bs")")")
+	row="| $bs |"
+	for name in "${names[@]}"; do row+=" $(median <"$name.$bs") | $(paste -sd/ "$name.$bs") |"; done
+	for name in "${names[@]:1}"; do row+=" $(median <"ratio.$name.$bs") |"; done
+	summary+=("$row")
 done
 echo
-echo "| block (B) | Mooncake target, median GB/s | runs | kvflow target, median GB/s | runs | kvflow / Mooncake (median of rounds) |"
-echo "| ---: | ---: | --- | ---: | --- | ---: |"
+echo "$header"
+echo "$sep"
 printf '%s\n' "${summary[@]}"

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# make test-mooncake: the cgo Mooncake binding (hw/mooncake/mooncakec,
+# -tags mooncake) built, vetted and tested against a real Mooncake build,
+# each test binary in a loopback-only network namespace
+# (scripts/netns-exec.sh). Opt-in, never part of make test or CI.
+#
+# Needs MOONCAKE_PREFIX (the install prefix of a Mooncake build: include/
+# and lib/), taken from the environment or from ~/.config/kvflow/mooncake.env
+# (MOONCAKE_ENV overrides the path), which ../shared/tools/mooncake-build.sh
+# writes; MOONCAKE_LDFLAGS there gives the link line. Without
+# MOONCAKE_PREFIX it prints why and exits 0 (skipped).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+GO=${GO:-go}
+env_file=${MOONCAKE_ENV:-$HOME/.config/kvflow/mooncake.env}
+if [[ -z "${MOONCAKE_PREFIX:-}" && -f "$env_file" ]]; then
+	# shellcheck disable=SC1090
+	source "$env_file"
+fi
+if [[ -z "${MOONCAKE_PREFIX:-}" ]]; then
+	echo "test-mooncake: SKIPPED: MOONCAKE_PREFIX is unset and $env_file does not set it" \
+		"(build Mooncake with ../shared/tools/mooncake-build.sh, or export MOONCAKE_PREFIX and MOONCAKE_LDFLAGS)"
+	exit 0
+fi
+if [[ ! -f "$MOONCAKE_PREFIX/include/transfer_engine_c.h" ]]; then
+	echo "test-mooncake: $MOONCAKE_PREFIX/include/transfer_engine_c.h not found (MOONCAKE_PREFIX=$MOONCAKE_PREFIX)" >&2
+	exit 2
+fi
+: "${MOONCAKE_LDFLAGS:=-L$MOONCAKE_PREFIX/lib -Wl,-rpath,$MOONCAKE_PREFIX/lib -Wl,--start-group -ltransfer_engine -lbase -lmooncake_common -Wl,--end-group -lasio -lstdc++ -libverbs -lnuma -lglog -lgflags -ljsoncpp -lyaml-cpp -lpthread -lm}"
+export CGO_ENABLED=1 CGO_CFLAGS="-I$MOONCAKE_PREFIX/include" CGO_LDFLAGS="$MOONCAKE_LDFLAGS"
+echo "test-mooncake: against $MOONCAKE_PREFIX"
+set -x
+"$GO" vet -tags mooncake ./hw/mooncake/...
+"$GO" test -tags mooncake -race -count=1 -timeout 10m -exec "$PWD/scripts/netns-exec.sh" ./hw/mooncake/mooncakec/
