@@ -16,6 +16,7 @@
 #   BLOCKS="65536 262144" ROUNDS=7 DURATION=5 bench/mooncake-target.sh
 #   THREADS=1 BATCH=128 KVFLOW_BIN=bin/kvflow bench/mooncake-target.sh
 #   MC_TCP_ENABLE_CONNECTION_POOL=1 bench/mooncake-target.sh   # pooled initiator
+#   NETNS=0 bench/mooncake-target.sh      # no namespace (an isolated machine)
 #   KVFLOW_BASE_BIN=/tmp/kvflow-main bench/mooncake-target.sh  # and a second kvflow build
 #                                                              # (before/after a change)
 set -euo pipefail
@@ -43,18 +44,24 @@ fi
 KVFLOW_BIN=$(cd "$(dirname "$KVFLOW_BIN")" && pwd)/$(basename "$KVFLOW_BIN")
 KVFLOW_BASE_BIN=${KVFLOW_BASE_BIN:-}
 
-if [[ -z "${KVFLOW_IN_NETNS:-}" ]]; then
+if [[ -z "${KVFLOW_IN_NETNS:-}" && "${NETNS:-1}" != 0 ]]; then
 	export KVFLOW_IN_NETNS=1 MOONCAKE_BENCH KVFLOW_BIN KVFLOW_BASE_BIN BLOCKS ROUNDS DURATION THREADS BATCH BUFFER
 	exec unshare -n "$0" "$@"
 fi
-ip link set lo up
-# No TIME_WAIT in this namespace: the initiator closes each of its
-# one-shot connections first, so without this every run leaves ~10^4
-# client ports in TIME_WAIT towards the target it read from, and later
-# runs against that target slow down in connect() looking for a free
-# port (a 64 KiB run alone opens ~15,000 connections). Both targets are
-# spared the same way.
-sysctl -qw net.ipv4.tcp_max_tw_buckets=0
+if [[ "${NETNS:-1}" == 0 ]]; then
+	# NETNS=0: no namespace of its own (a machine nothing else can reach);
+	# the host's TIME_WAIT settings apply.
+	echo "# NETNS=0: host network namespace" >&2
+else
+	ip link set lo up
+	# No TIME_WAIT in this namespace: the initiator closes each of its
+	# one-shot connections first, so without this every run leaves ~10^4
+	# client ports in TIME_WAIT towards the target it read from, and later
+	# runs against that target slow down in connect() looking for a free
+	# port (a 64 KiB run alone opens ~15,000 connections). Both targets are
+	# spared the same way.
+	echo 0 >/proc/sys/net/ipv4/tcp_max_tw_buckets
+fi
 
 work=$(mktemp -d)
 pids=()
