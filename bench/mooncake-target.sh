@@ -53,7 +53,14 @@ if [[ "${NETNS:-1}" == 0 ]]; then
 	# the host's TIME_WAIT settings apply.
 	echo "# NETNS=0: host network namespace" >&2
 else
-	ip link set lo up
+	if command -v ip >/dev/null; then
+		ip link set lo up
+	else # no iproute2: SIOCGIFFLAGS, then SIOCSIFFLAGS with IFF_UP
+		python3 -c 'import socket, fcntl, struct
+s = socket.socket()
+f = struct.unpack("16sH14s", fcntl.ioctl(s, 0x8913, struct.pack("16sH14s", b"lo", 0, b"")))[1]
+fcntl.ioctl(s, 0x8914, struct.pack("16sH14s", b"lo", f | 1, b""))'
+	fi
 	# No TIME_WAIT in this namespace: the initiator closes each of its
 	# one-shot connections first, so without this every run leaves ~10^4
 	# client ports in TIME_WAIT towards the target it read from, and later
