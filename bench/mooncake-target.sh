@@ -43,9 +43,10 @@ if [[ ! -x "$KVFLOW_BIN" ]]; then
 fi
 KVFLOW_BIN=$(cd "$(dirname "$KVFLOW_BIN")" && pwd)/$(basename "$KVFLOW_BIN")
 KVFLOW_BASE_BIN=${KVFLOW_BASE_BIN:-}
+KVFLOW_REV=${KVFLOW_REV:-}
 
 if [[ -z "${KVFLOW_IN_NETNS:-}" && "${NETNS:-1}" != 0 ]]; then
-	export KVFLOW_IN_NETNS=1 MOONCAKE_BENCH KVFLOW_BIN KVFLOW_BASE_BIN BLOCKS ROUNDS DURATION THREADS BATCH BUFFER
+	export KVFLOW_IN_NETNS=1 MOONCAKE_BENCH KVFLOW_BIN KVFLOW_BASE_BIN KVFLOW_REV BLOCKS ROUNDS DURATION THREADS BATCH BUFFER
 	exec unshare -n "$0" "$@"
 fi
 if [[ "${NETNS:-1}" == 0 ]]; then
@@ -124,7 +125,7 @@ run() {
 median() { sort -g | awk '{a[NR]=$1} END {if (NR%2) print a[(NR+1)/2]; else printf "%.3f\n", (a[NR/2]+a[NR/2+1])/2}'; }
 
 echo "# transfer_engine_bench initiator (read, batch $BATCH, threads $THREADS, ${DURATION}s, pool ${MC_TCP_ENABLE_CONNECTION_POOL:-off}), $ROUNDS rounds"
-echo "# targets: ${names[*]} at ${addrs[*]}; kvflow at $(git -C "$root" describe --always --dirty 2>/dev/null)"
+echo "# targets: ${names[*]} at ${addrs[*]}; kvflow at ${KVFLOW_REV:-$(git -C "$root" describe --always --dirty 2>/dev/null)}"
 n=${#names[@]}
 header="| block (B) |" sep="| ---: |"
 for name in "${names[@]}"; do header+=" $name, median MB/s | runs |"; sep+=" ---: | --- |"; done
