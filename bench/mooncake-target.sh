@@ -19,6 +19,7 @@
 #   NETNS=0 bench/mooncake-target.sh      # no namespace (an isolated machine)
 #   KVFLOW_BASE_BIN=/tmp/kvflow-main bench/mooncake-target.sh  # and a second kvflow build
 #                                                              # (before/after a change)
+#   KVFLOW_VARIANTS="c64=/tmp/kv-c64.sh" bench/mooncake-target.sh  # and wrappers (other flags)
 set -euo pipefail
 
 BLOCKS=${BLOCKS:-"4096 16384 65536 262144 1048576"}
@@ -46,7 +47,7 @@ KVFLOW_BASE_BIN=${KVFLOW_BASE_BIN:-}
 KVFLOW_REV=${KVFLOW_REV:-}
 
 if [[ -z "${KVFLOW_IN_NETNS:-}" && "${NETNS:-1}" != 0 ]]; then
-	export KVFLOW_IN_NETNS=1 MOONCAKE_BENCH KVFLOW_BIN KVFLOW_BASE_BIN KVFLOW_REV BLOCKS ROUNDS DURATION THREADS BATCH BUFFER
+	export KVFLOW_IN_NETNS=1 MOONCAKE_BENCH KVFLOW_BIN KVFLOW_BASE_BIN KVFLOW_VARIANTS KVFLOW_REV BLOCKS ROUNDS DURATION THREADS BATCH BUFFER
 	exec unshare -n "$0" "$@"
 fi
 if [[ "${NETNS:-1}" == 0 ]]; then
@@ -111,6 +112,17 @@ if [[ -z "$mc" ]]; then
 fi
 names=(mooncake kvflow) addrs=("$mc" 127.0.0.1:17200)
 if [[ -n "${KVFLOW_BASE_BIN:-}" ]]; then names+=(kvflow-base); addrs+=(127.0.0.1:17250); fi
+# KVFLOW_VARIANTS="name=command ...": more kvflow targets (a command is a
+# binary or a wrapper script that runs kvflow with other flags or env).
+port=17260
+for v in ${KVFLOW_VARIANTS:-}; do
+	"${v#*=}" bench te --mode target --local_server_name 127.0.0.1:$port --buffer_size "$BUFFER" >"variant-$port.log" 2>&1 &
+	pids+=($!)
+	for _ in $(seq 300); do grep -q "Target started" "variant-$port.log" && break; sleep 0.1; done
+	grep -q "Target started" "variant-$port.log" || { echo "mooncake-target: variant ${v%%=*} did not start" >&2; tail -n 5 "variant-$port.log" >&2; exit 1; }
+	names+=("${v%%=*}"); addrs+=(127.0.0.1:$port)
+	port=$((port + 10))
+done
 
 # run TARGET BLOCK: one initiator run, prints MB/s.
 run() {
