@@ -150,12 +150,14 @@ func (t *target) banner(w io.Writer, zero bool) {
 }
 
 func runTarget(ctx context.Context, o *options, stdout io.Writer, log *slog.Logger) error {
-	t, err := startTarget(o, engineConfig(o, true), false, log)
+	// --no-verify: no pattern, the buffer left untouched as
+	// transfer_engine_bench's target leaves its own (see doc.go).
+	t, err := startTarget(o, engineConfig(o, true), o.noVerify, log)
 	if err != nil {
 		return err
 	}
 	defer t.close()
-	t.banner(stdout, false)
+	t.banner(stdout, o.noVerify)
 	fmt.Fprintln(stdout, "Target serving until interrupted (SIGINT or SIGTERM)")
 	<-ctx.Done()
 	fmt.Fprintln(stdout, "Target stopped")
