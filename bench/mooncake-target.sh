@@ -28,12 +28,6 @@ DURATION=${DURATION:-3}
 THREADS=${THREADS:-1}
 BATCH=${BATCH:-128}
 BUFFER=${BUFFER:-268435456}
-# transfer_engine_bench's target never writes its buffer: every page is the
-# kernel's shared zero page, and reads copy from one cache-hot page. kvflow's
-# target does the same with --no-verify (pattern "zero"); without it, it
-# serves patterned (written) memory, which large blocks read at memory
-# bandwidth. Variants (below) get no default arguments.
-KVFLOW_TARGET_ARGS=${KVFLOW_TARGET_ARGS---no-verify}
 
 if [[ -z "${MOONCAKE_BENCH:-}" && -f "$HOME/.config/kvflow/mooncake.env" ]]; then
 	# shellcheck disable=SC1091
@@ -53,7 +47,7 @@ KVFLOW_BASE_BIN=${KVFLOW_BASE_BIN:-}
 KVFLOW_REV=${KVFLOW_REV:-}
 
 if [[ -z "${KVFLOW_IN_NETNS:-}" && "${NETNS:-1}" != 0 ]]; then
-	export KVFLOW_IN_NETNS=1 MOONCAKE_BENCH KVFLOW_BIN KVFLOW_BASE_BIN KVFLOW_VARIANTS KVFLOW_REV KVFLOW_TARGET_ARGS BLOCKS ROUNDS DURATION THREADS BATCH BUFFER
+	export KVFLOW_IN_NETNS=1 MOONCAKE_BENCH KVFLOW_BIN KVFLOW_BASE_BIN KVFLOW_VARIANTS KVFLOW_REV BLOCKS ROUNDS DURATION THREADS BATCH BUFFER
 	exec unshare -n "$0" "$@"
 fi
 if [[ "${NETNS:-1}" == 0 ]]; then
@@ -91,14 +85,12 @@ cd "$work" # glog and Mooncake write next to the working directory
 "$MOONCAKE_BENCH" --mode target --metadata_server P2PHANDSHAKE --protocol tcp \
 	--local_server_name 127.0.0.1:17100 --buffer_size "$BUFFER" >mooncake-target.log 2>&1 &
 pids+=($!)
-# shellcheck disable=SC2086
 "$KVFLOW_BIN" bench te --mode target --local_server_name 127.0.0.1:17200 \
-	--buffer_size "$BUFFER" $KVFLOW_TARGET_ARGS >kvflow-target.log 2>&1 &
+	--buffer_size "$BUFFER" >kvflow-target.log 2>&1 &
 pids+=($!)
 if [[ -n "${KVFLOW_BASE_BIN:-}" ]]; then
-	# shellcheck disable=SC2086
 	"$KVFLOW_BASE_BIN" bench te --mode target --local_server_name 127.0.0.1:17250 \
-		--buffer_size "$BUFFER" $KVFLOW_TARGET_ARGS >base-target.log 2>&1 &
+		--buffer_size "$BUFFER" >base-target.log 2>&1 &
 	pids+=($!)
 fi
 
@@ -145,7 +137,6 @@ run() {
 median() { sort -g | awk '{a[NR]=$1} END {if (NR%2) print a[(NR+1)/2]; else printf "%.3f\n", (a[NR/2]+a[NR/2+1])/2}'; }
 
 echo "# transfer_engine_bench initiator (read, batch $BATCH, threads $THREADS, ${DURATION}s, pool ${MC_TCP_ENABLE_CONNECTION_POOL:-off}), $ROUNDS rounds"
-echo "# kvflow and kvflow-base targets with: ${KVFLOW_TARGET_ARGS:-(no arguments)}"
 echo "# targets: ${names[*]} at ${addrs[*]}; kvflow at ${KVFLOW_REV:-$(git -C "$root" describe --always --dirty 2>/dev/null)}"
 n=${#names[@]}
 header="| block (B) |" sep="| ---: |"

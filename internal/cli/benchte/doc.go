@@ -19,14 +19,6 @@
 //
 //	Target started: segment_id 10.0.0.2:17000, buffer_addr 0x7f1932000000, buffer_size 1073741824, data_port 40741, pattern kvflow-word-v1
 //
-// With --no-verify the target leaves the buffer untouched (pattern "zero"),
-// as transfer_engine_bench's target leaves its own: memory never written,
-// whose every page is the kernel's one shared zero page, so a read of it
-// copies from a page that stays in the CPU's cache. Compare the two targets
-// that way (bench/mooncake-target.sh does): against real, written memory,
-// large blocks are bound by memory bandwidth instead (128 × 1 MiB: 0.7× the
-// zero-page throughput on a 16-core machine).
-//
 // The initiator learns the target's buffers as Mooncake's does in
 // P2PHANDSHAKE mode: it sends its segment descriptor in a Metadata frame to
 // the target's RPC port and decodes the target's reply. Thread t uses buffer
