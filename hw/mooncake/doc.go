@@ -144,7 +144,7 @@
 // always makes, instead of six), and a data connection's 64 KiB header
 // buffer and pending-response list come from a pool (allocated per
 // connection, the buffer was 96% of the bytes BenchmarkAuthConnect
-// allocated, and its zeroing and collection ~15% of the target's CPU).
+// allocated, and zeroing and collecting it ~15% of that benchmark's CPU).
 // Caps still apply: an initiator with the pool off opens up to threads ×
 // batch size connections at once (transfer_engine_bench's defaults, 12 ×
 // 128, exceed MaxConnsPerPeer), so raise node.limits' te_max_conns_per_peer
