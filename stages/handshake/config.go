@@ -4,6 +4,8 @@ import (
 	"flag"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/kvflow/kvflow/stages/conf"
 )
 
@@ -66,4 +68,41 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet, prefix string) {
 	fs.IntVar(&c.Attempts, prefix+"attempts", c.Attempts, "GET_META tries ("+conf.Key(prefix, "attempts")+")")
 	fs.Var(&c.RetryBackoff, prefix+"retry-backoff", "pause before a GET_META retry ("+conf.Key(prefix, "retry_backoff")+")")
 	fs.IntVar(&c.CacheSize, prefix+"cache-size", c.CacheSize, "cached remote metadata entries ("+conf.Key(prefix, "cache_size")+")")
+}
+
+// Deps is what the handshake stage works with.
+type Deps struct {
+	// Fetcher fetches a side channel's metadata (GET_META).
+	Fetcher Fetcher
+	// LocalEngineID is this worker's engine id; a peer claiming it is
+	// rejected.
+	LocalEngineID string
+	// Check, if set, is the compatibility check of every peer's cache
+	// against this worker's (nil: no check).
+	Check *CompatOptions
+	// Leases, if set, takes every job whose handshake ended (nil: no
+	// leases).
+	Leases     Leaser
+	Registerer prometheus.Registerer
+}
+
+// New makes the handshake stage: its metadata cache (CacheSize entries,
+// each fetch bounded by FetchTimeout) and, with Deps.Check, its
+// compatibility check.
+func New(cfg Config, d Deps) (*Stage, error) {
+	c, err := NewCache(d.Fetcher, Options{
+		Size: cfg.CacheSize, Timeout: cfg.FetchTimeout(), LocalEngineID: d.LocalEngineID, Registerer: d.Registerer,
+	})
+	if err != nil {
+		return nil, err
+	}
+	s := &Stage{Cache: c, Leases: d.Leases}
+	if d.Check != nil {
+		o := *d.Check
+		o.Registerer = d.Registerer
+		if s.Compat, err = NewCompat(o); err != nil {
+			return nil, err
+		}
+	}
+	return s, nil
 }

@@ -2,13 +2,18 @@ package read
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"flag"
 	"fmt"
 	"strings"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/kvflow/kvflow/stages/conf"
+	"github.com/kvflow/kvflow/stages/job"
+	"github.com/kvflow/kvflow/stages/plan"
 )
 
 // Config is the read stage's configuration. Its JSON keys are the binary's
@@ -158,4 +163,47 @@ func (g *GrantsMode) IsBoolFlag() bool { return true }
 // Valid reports whether g is one of the modes ("" reads as auto).
 func (g GrantsMode) Valid() bool {
 	return g == "" || g == GrantsAuto || g == GrantsOn || g == GrantsOff
+}
+
+// Peers is the handshake stage's metadata cache as a read sees it
+// (handshake.Stage): a read that failed drops its rank's cached metadata
+// (Invalidate), or, when its peer may have restarted, re-fetches it
+// (Refetch: one fetch for all the reads that failed together, checked for
+// compatibility like any other) to read once more.
+type Peers interface {
+	Invalidate(j *job.Job, task int)
+	Refetch(ctx context.Context, j *job.Job, task int, used job.Meta, failedAt time.Time) (job.Meta, error)
+}
+
+// Deps is what the read stage works with.
+type Deps struct {
+	Transfer Transfer
+	// Layout is the cache layout (block length per part, parts per
+	// layer) shared by both sides; Local is this worker's caches.
+	Layout plan.CacheLayout
+	Local  plan.Caches
+	// BlockSize is the tokens per block; with a StridedTransfer and
+	// Config.FusedStitch the stage fuses the head transpose into the
+	// reads.
+	BlockSize int
+	// Peers, if set, is the metadata cache to invalidate and re-fetch
+	// through after a failed read (nil: neither; no retry).
+	Peers Peers
+	// Guard, if set, is the stale-read guard (nil or checking nothing:
+	// none).
+	Guard      *Guard
+	Registerer prometheus.Registerer
+}
+
+// New makes the read stage from its configuration and dependencies.
+func New(cfg Config, d Deps) (*Stage, error) {
+	o := Options{
+		Layout: d.Layout, Local: d.Local, BlockSize: d.BlockSize,
+		PerSession: cfg.PerPeerConcurrency, Timeout: cfg.Timeout.D(), NoFuse: !cfg.FusedStitch,
+		Guard: d.Guard, Registerer: d.Registerer,
+	}
+	if d.Peers != nil {
+		o.Invalidate, o.Refetch = d.Peers.Invalidate, d.Peers.Refetch
+	}
+	return build(d.Transfer, o)
 }
