@@ -1,10 +1,13 @@
 package read
 
 import (
+	"context"
 	"errors"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/kvflow/kvflow/stages/job"
 	"github.com/kvflow/kvflow/stages/lease"
@@ -97,5 +100,53 @@ func TestStaleRead(t *testing.T) {
 				t.Fatalf("%v: ErrLeaseLost %v, want %v", err, errors.Is(err, ErrLeaseLost), lease)
 			}
 		})
+	}
+}
+
+// The guard around the stage: a read past the abort timeout is refused
+// before any batch, counted; one in time is read; a lease that ran out
+// while the read ran fails it after the read, counted as lost.
+func TestStageGuard(t *testing.T) {
+	const abort = time.Second
+	ttl := 10 * time.Second
+	for _, tc := range []struct {
+		name    string
+		after   time.Duration // now, from admission
+		leases  LeaseView
+		ttl     time.Duration // advertised by the task's rank
+		wantErr error
+		reads   bool
+	}{
+		{"in time", abort, nil, 0, nil, true},
+		{"past the abort timeout", abort + time.Millisecond, nil, 0, ErrStaleRead, false},
+		{"leased, hold ran out", time.Hour, leaseMap{"r": {"127.0.0.1:30000": {Since: testNow, Acked: testNow, TTL: ttl}}}, ttl, ErrLeaseLost, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := &fakeTransfer{}
+			s, err := build(f, Options{
+				Layout: plan.CacheLayout{BlockLen: []uint64{4096}, CachesPerLayer: 2},
+				Local:  plan.Caches{Base: []uint64{5 << 30, 6 << 30, 7 << 30, 8 << 30}, NumBlocks: 8},
+				Guard:  &Guard{AbortTimeout: abort, Leases: tc.leases, Now: func() time.Time { return testNow.Add(tc.after) }},
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			j := testJob(1)
+			j.Metas[0].LeaseTTL = tc.ttl
+			err = s.Process(context.Background(), j)
+			if !errors.Is(err, tc.wantErr) || (tc.wantErr == nil) != (err == nil) {
+				t.Fatalf("Process = %v, want %v", err, tc.wantErr)
+			}
+			if read := j.BytesRead.Load() > 0; read != tc.reads {
+				t.Fatalf("read %v, want %v", read, tc.reads)
+			}
+			refused, lost := testutil.ToFloat64(s.m.staleRefused), testutil.ToFloat64(s.m.leaseLost)
+			if want := errors.Is(tc.wantErr, ErrStaleRead) && !errors.Is(tc.wantErr, ErrLeaseLost); (refused == 1) != want || (lost == 1) != errors.Is(tc.wantErr, ErrLeaseLost) {
+				t.Fatalf("refused %v lost %v", refused, lost)
+			}
+		})
+	}
+	if (&Guard{}).on() || (*Guard)(nil).on() {
+		t.Fatal("a guard that checks nothing is on")
 	}
 }
