@@ -49,7 +49,7 @@ func TestOwedAtShutdown(t *testing.T) {
 	for _, r := range []pipeline.Result[*job.Job]{
 		{Item: mk("canceled-in-read", 7000, 7001), Outcome: pipeline.Canceled, Stage: "read"},
 		{Item: mk("canceled-in-notify", 7000), Outcome: pipeline.Canceled, Stage: "notify"}, // may have sent some
-		{Item: mk("failed", 7000), Outcome: pipeline.Failed, Stage: "read"},                // notify sent them
+		{Item: mk("failed", 7000), Outcome: pipeline.Failed, Stage: "read"},                 // notify sent them
 		{Item: mk("done", 7000), Outcome: pipeline.Done},
 		{Item: mk("never-planned"), Outcome: pipeline.Canceled, Stage: "plan"}, // no endpoint
 	} {
