@@ -113,7 +113,7 @@ type Options struct {
 	RefetchTimeout time.Duration
 	// BeforeRetry, if set, may refuse a retry (returning why) just before
 	// it starts, with j.Metas[task] already the re-fetched metadata: the
-	// request's deadline (decode's stale-read guard).
+	// request's deadline. The stage's own Guard checks after it.
 	BeforeRetry func(j *job.Job, task int) error
 	// Guard, if it checks anything, is the stale-read guard around every
 	// read and before every retry (stale.go).
