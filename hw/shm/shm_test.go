@@ -258,7 +258,9 @@ func TestOpenRefusesMismatch(t *testing.T) {
 				t.Fatal(err)
 			}
 		}, ErrMismatch},
-		{"other table", func(c *Claim, _ *Options) { c.Grants, c.GrantsDev, c.GrantsIno = other.claim.Grants, other.claim.GrantsDev, other.claim.GrantsIno }, nil, ErrOwnerGone},
+		{"other table", func(c *Claim, _ *Options) {
+			c.Grants, c.GrantsDev, c.GrantsIno = other.claim.Grants, other.claim.GrantsDev, other.claim.GrantsIno
+		}, nil, ErrOwnerGone},
 		{"table inode", func(c *Claim, _ *Options) { c.GrantsIno++ }, nil, ErrMismatch},
 		{"old epoch", func(c *Claim, _ *Options) { c.Epoch++ }, nil, ErrOwnerGone},
 		{"zero epoch", func(c *Claim, _ *Options) { c.Epoch = 0 }, nil, ErrOwnerGone},
