@@ -57,6 +57,21 @@ type StridedReader interface {
 	BatchReadStrided(ctx context.Context, session string, ops []Op, s Stride) error
 }
 
+// GatherReader is an Engine that can read each op's bytes from strided
+// remote rows into contiguous local memory: a decode rank whose TP is
+// above the prefill's reads one head slice of every token row of a
+// prefill block. The TCP engine is one (kvflow's strided READ with peers
+// that negotiated it, a READ per row with others); Mooncake's C API has no
+// such transfer.
+type GatherReader interface {
+	Engine
+	// BatchReadGather is BatchRead with every op's Length bytes taken
+	// from rows of g.Row bytes, g.Pitch apart, from its Remote: byte i
+	// of the op comes from Remote + (i/g.Row)*g.Pitch + i%g.Row and lands
+	// at Local + i (g.Validate(ops) must hold).
+	BatchReadGather(ctx context.Context, session string, ops []Op, g Stride) error
+}
+
 // SegmentReader is an Engine that can list a peer's registered buffers from
 // the segment descriptor of its handshake (the TCP engine): a decode worker
 // checks a peer whose side channel sends no cache fingerprint against it.

@@ -18,7 +18,23 @@ import (
 
 // BatchRead implements Engine.
 func (e *TCPEngine) BatchRead(ctx context.Context, session string, ops []Op) error {
-	return e.batch(ctx, session, ops, OpcodeRead, Stride{})
+	return e.batch(ctx, session, ops, OpcodeRead, Stride{}, Stride{})
+}
+
+// BatchReadGather implements GatherReader. To a peer whose handshake
+// advertised kvflow's strided READ (KvflowOpStridedRead) each op goes out
+// as strided requests of whole rows, up to ChunkSize each, answered
+// contiguously; to any other peer (Mooncake's engines, kvflow with
+// NoKvflowOps) as one READ per row.
+func (e *TCPEngine) BatchReadGather(ctx context.Context, session string, ops []Op, g Stride) error {
+	if err := g.Validate(ops); err != nil {
+		errs := make([]error, len(ops))
+		for i := range errs {
+			errs[i] = fmt.Errorf("%w: %w", ErrNotAttempted, err)
+		}
+		return &BatchError{Session: session, Dir: dirRead, Ops: ops, Errs: errs}
+	}
+	return e.batch(ctx, session, ops, OpcodeRead, Stride{}, g)
 }
 
 // BatchReadStrided implements StridedReader. The wire requests are the
@@ -32,12 +48,12 @@ func (e *TCPEngine) BatchReadStrided(ctx context.Context, session string, ops []
 		}
 		return &BatchError{Session: session, Dir: dirRead, Ops: ops, Errs: errs}
 	}
-	return e.batch(ctx, session, ops, OpcodeRead, s)
+	return e.batch(ctx, session, ops, OpcodeRead, s, Stride{})
 }
 
 // BatchWrite implements Engine.
 func (e *TCPEngine) BatchWrite(ctx context.Context, session string, ops []Op) error {
-	return e.batch(ctx, session, ops, OpcodeWrite, Stride{})
+	return e.batch(ctx, session, ops, OpcodeWrite, Stride{}, Stride{})
 }
 
 // batch is one BatchRead/BatchWrite call in flight.
@@ -45,6 +61,7 @@ type batch struct {
 	ctx       context.Context
 	opcode    uint8
 	stride    Stride         // Row > 0: READ answers land in strided rows
+	gather    Stride         // Row > 0: READs come from strided remote rows
 	left      []atomic.Int32 // requests still outstanding per op
 	pending   atomic.Int64   // requests still outstanding in all
 	done      chan struct{}  // closed when pending reaches zero
@@ -94,6 +111,9 @@ type task struct {
 	// then the first one's).
 	segs  []seg
 	tries int // times sent again after another request broke its lane
+	// strided: a kvflow strided READ of length/b.gather.Row rows from
+	// remote (OpcodeReadStrided), answered contiguously into local.
+	strided bool
 }
 
 // seg is one op's local range within a merged READ: length bytes from
@@ -130,7 +150,7 @@ func dirName(opcode uint8) string {
 	return dirRead
 }
 
-func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode uint8, stride Stride) (err error) {
+func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode uint8, stride, gather Stride) (err error) {
 	dir := dirName(opcode)
 	start := time.Now()
 	defer func() {
@@ -143,7 +163,7 @@ func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode 
 	if len(ops) == 0 {
 		return nil
 	}
-	b := &batch{ctx: ctx, opcode: opcode, stride: stride, left: make([]atomic.Int32, len(ops)), done: make(chan struct{}), errs: make([]error, len(ops))}
+	b := &batch{ctx: ctx, opcode: opcode, stride: stride, gather: gather, left: make([]atomic.Int32, len(ops)), done: make(chan struct{}), errs: make([]error, len(ops))}
 	batchErr := func() error {
 		return &BatchError{Session: session, Dir: dir, Ops: ops, Errs: b.errs}
 	}
@@ -166,7 +186,11 @@ func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode 
 	}()
 	bad := false
 	for i, op := range ops {
-		if err := checkRange(op.Remote, op.Length); err != nil {
+		remote := op.Length
+		if gather.Row > 0 {
+			remote = gather.Extent(op.Length)
+		}
+		if err := checkRange(op.Remote, remote); err != nil {
 			b.errs[i], bad = fmt.Errorf("remote: %w", err), true
 			continue
 		}
@@ -193,7 +217,13 @@ func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode 
 		return failAll(err)
 	}
 
-	tasks := splitOps(b, ops, uint64(e.cfg.ChunkSize), p.buffers())
+	bufs, strided := p.layout()
+	var tasks []task
+	if gather.Row > 0 {
+		tasks = splitGather(b, ops, uint64(e.cfg.ChunkSize), strided && !e.cfg.NoKvflowOps)
+	} else {
+		tasks = splitOps(b, ops, uint64(e.cfg.ChunkSize), bufs)
+	}
 	b.tasks = tasks
 	pieces := 0
 	for i := range tasks {
@@ -294,6 +324,43 @@ func splitOps(b *batch, ops []Op, chunk uint64, bufs []BufferDesc) []task {
 			b.left[i].Add(1)
 		}
 		i = j
+	}
+	return tasks
+}
+
+// splitGather turns a gather batch's ops (b.gather) into requests: with
+// strided on (the peer serves kvflow's strided READ), requests of whole
+// rows and at most chunk bytes (at least one row); otherwise one READ per
+// row, split at chunk. Each op's outstanding count (b.left) is set.
+func splitGather(b *batch, ops []Op, chunk uint64, strided bool) []task {
+	g := b.gather
+	per := max(1, chunk/g.Row) // rows per strided request
+	n := 0
+	for _, op := range ops {
+		rows := op.Length / g.Row
+		if strided {
+			n += int((rows + per - 1) / per)
+		} else {
+			n += int(rows * ((g.Row + chunk - 1) / chunk))
+		}
+	}
+	tasks := make([]task, 0, n)
+	for i, op := range ops {
+		rows := op.Length / g.Row
+		for r := uint64(0); r < rows; {
+			if strided {
+				k := min(per, rows-r)
+				tasks = append(tasks, task{b: b, op: i, local: op.Local + r*g.Row, remote: op.Remote + r*g.Pitch, length: k * g.Row, strided: true})
+				b.left[i].Add(1)
+				r += k
+				continue
+			}
+			for off := uint64(0); off < g.Row; off += chunk {
+				tasks = append(tasks, task{b: b, op: i, local: op.Local + r*g.Row + off, remote: op.Remote + r*g.Pitch + off, length: min(chunk, g.Row-off)})
+				b.left[i].Add(1)
+			}
+			r++
+		}
 	}
 	return tasks
 }
@@ -603,6 +670,18 @@ func (p *peer) target() (string, bool, uint64) {
 	return p.dataAddr, p.desc != nil && p.desc.TCPProtoVersion >= 2, p.gen.Load()
 }
 
+// layout returns the peer's registered buffers (see buffers) and whether
+// it serves kvflow's strided READ (its descriptor advertised it, with
+// status frames).
+func (p *peer) layout() ([]BufferDesc, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.desc == nil {
+		return nil, false
+	}
+	return p.desc.Buffers, p.desc.KvflowOps&KvflowOpStridedRead != 0 && p.desc.TCPProtoVersion >= 2
+}
+
 // buffers returns the peer's registered buffers from its segment
 // descriptor (nil before the first handshake). The slice is the
 // descriptor's own: a new handshake replaces the descriptor, never edits
@@ -768,6 +847,16 @@ func (l *lane) admit(t *task) bool {
 // send admits READ t and queues its header for the next flush.
 func (l *lane) send(t *task) {
 	if !l.admit(t) {
+		return
+	}
+	if t.strided {
+		// Negotiated only with a v2 peer: the answer has a status frame
+		// (a lane of a peer that re-handshook as v1 fails it on that).
+		g := t.b.gather
+		var sb [StridedHeaderSize]byte
+		PutStrided(&sb, StridedRead{Addr: t.remote, Row: g.Row, Pitch: g.Pitch, Rows: t.length / g.Row})
+		l.hdrs = append(l.hdrs, sb[:]...)
+		l.wbytes += t.length
 		return
 	}
 	var hb [HeaderSize]byte
