@@ -413,4 +413,11 @@ func (e *TCPEngine) serveRPC(c net.Conn) {
 	io.Copy(io.Discard, io.LimitReader(c, 1<<10))
 }
 
-var _ GatherReader = (*TCPEngine)(nil)
+// The TCP engine's optional capabilities.
+var (
+	_ GatherReader      = (*TCPEngine)(nil)
+	_ StridedReader     = (*TCPEngine)(nil)
+	_ SegmentReader     = (*TCPEngine)(nil)
+	_ Granter           = (*TCPEngine)(nil)
+	_ PeerAuthenticator = (*TCPEngine)(nil)
+)

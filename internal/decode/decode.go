@@ -108,7 +108,8 @@ type Options struct {
 	// timeout applies).
 	ReadTimeout time.Duration
 	// BlockSize is the tokens per block; with it and a
-	// read.StridedTransfer the read stage fuses the head transpose into
+	// transfer that lays out strided rows (read.Capabilities.LocalStride)
+	// the read stage fuses the head transpose into
 	// the reads (unless NoFusedStitch) and the stitch stage idles.
 	BlockSize     int
 	NoFusedStitch bool

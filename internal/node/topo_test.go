@@ -135,7 +135,12 @@ func TestKvflowTopologiesHoldTheirHeads(t *testing.T) {
 				}
 			}
 			for _, d := range c.decode {
-				clear(d.Device.Data())
+				l := d.Device.Layout()
+				for layer := range l.Shape().NumLayers {
+					for part := range l.NumParts() {
+						clear(d.Device.Bytes(layer, part))
+					}
+				}
 				for _, r := range reqs {
 					errs := d.Decode.Load(context.Background(), []decode.LoadRequest{{
 						RequestID: r.id, LocalBlockIDs: r.local,
