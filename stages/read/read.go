@@ -48,7 +48,7 @@ type Options struct {
 	// slot to the last byte; 0 = none beyond the engine's I/O timeout.
 	Timeout    time.Duration
 	Invalidate Invalidator
-	// Refetch, with a Transfer that is a FailureClassifier, turns on the
+	// Refetch, with a Transfer that classifies failures, turns on the
 	// retry of a read that failed because its peer may have restarted:
 	// the task's metadata is re-fetched through it and, when retryVerdict
 	// allows, the task is read once more (see retry.go). Nil: a failed
@@ -75,7 +75,7 @@ type Options struct {
 	// were freed fails that much later.
 	GrantWait time.Duration
 	// BlockSize is the tokens per block (block_size). With a
-	// StridedTransfer and P > 1 the stage reads every block straight into
+	// transfer with LocalStride and P > 1 the stage reads every block straight into
 	// its stitched layout and marks the job Stitched; 0, NoFuse, or a
 	// layout that does not split into P equal token slices read as the
 	// seed does and leave the transpose to the stitch stage.

@@ -246,7 +246,7 @@ func (s *stridedKind) BatchRead(_ context.Context, _ string, b *Batch) error {
 	return nil
 }
 
-// TestFusedStitch: with a StridedTransfer and a P > 1 plan the stage reads
+// TestFusedStitch: with a LocalStride transfer and a P > 1 plan the stage reads
 // interleaved (each slot's op starts at slot*row/P, rows of row/P bytes,
 // row apart) and marks the job Stitched; with NoFuse, P == 1, no block
 // size or a block that does not split, it reads as the seed does and
