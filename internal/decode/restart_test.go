@@ -10,8 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus/testutil"
-
 	"github.com/kvflow/kvflow/stages/job"
 	"github.com/kvflow/kvflow/stages/read"
 )
@@ -129,8 +127,9 @@ func TestRestartAfterAdmissionFails(t *testing.T) {
 	p.gate = gate
 	p.mu.Unlock()
 	ids := loadN(t, w, "r", 16)
-	// Every read stage worker holds a read on the old session.
-	for deadline := time.Now().Add(5 * time.Second); p.waiting.Load() < int32(DefaultStageSizes().Read.Workers); {
+	// Every read stage worker (or every request, when there are more
+	// workers) holds a read on the old session.
+	for deadline := time.Now().Add(5 * time.Second); p.waiting.Load() < int32(min(len(ids), DefaultStageSizes().Read.Workers)); {
 		if time.Now().After(deadline) {
 			t.Fatalf("%d reads started", p.waiting.Load())
 		}
@@ -180,7 +179,7 @@ func TestRetryRefusedPastAbortTimeout(t *testing.T) {
 	if len(failed) != 1 || !strings.Contains(failed[0].Reason, "past the prefill's abort timeout") {
 		t.Fatalf("failed %+v, want the retry refused as stale", failed)
 	}
-	if n := testutil.ToFloat64(w.stale); n != 1 {
+	if n := w.counter(t, "kvflow_decode_stale_reads_refused_total", ""); n != 1 {
 		t.Fatalf("%v stale reads refused, want 1", n)
 	}
 }

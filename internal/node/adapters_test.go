@@ -33,7 +33,7 @@ func TestDoneNegotiation(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	st, err := notify.New(c, notify.Options{})
+	st, err := notify.New(notify.Config{}, notify.Deps{Sender: c})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -150,30 +150,27 @@ func (n *Node) startDecode(log *slog.Logger, layout npu.Layout) error {
 		fetch.creds = a
 	}
 	w, err := decode.New(decode.Options{
-		Topology:           cfg.Topology(),
-		Self:               cfg.Self(),
-		LocalEngineID:      cfg.KVTransfer.EngineID,
-		Fetcher:            fetch,
-		Transfer:           read.Engine(n.Engine),
-		Kernel:             n.Device,
-		Sender:             nc,
-		Renewer:            nc,
-		Layout:             CacheLayout(layout),
-		Local:              plan.Caches{Base: n.Device.BaseAddrs(), NumBlocks: n.Shape.NumBlocks},
-		LocalCache:         &fp,
-		PeerBuffers:        PeerBuffers(n.Engine),
-		Stages:             stageSizes(cfg.Pipeline),
-		HandshakeCacheSize: cfg.Handshake.CacheSize,
-		HandshakeTimeout:   time.Duration(max(1, cfg.Handshake.Attempts)) * (cfg.Handshake.Timeout.D() + cfg.Handshake.RetryBackoff.D()),
-		NotifyTimeout:      time.Duration(max(1, cfg.Notify.Attempts)) * (cfg.Notify.Timeout.D() + cfg.Notify.RetryBackoff.D()),
-		PerSession:         cfg.Read.PerPeerConcurrency,
-		ReadTimeout:        cfg.Read.Timeout.D(),
-		BlockSize:          cfg.Model.BlockSize,
-		NoFusedStitch:      !cfg.Read.FusedStitch,
-		PeerAbortTimeout:   cfg.Tracker.AbortRequestTimeout.D(),
-		OnFinish:           n.deps.OnFinish,
-		Registerer:         n.deps.Registerer,
-		Logger:             log,
+		Topology:         cfg.Topology(),
+		Self:             cfg.Self(),
+		LocalEngineID:    cfg.KVTransfer.EngineID,
+		Fetcher:          fetch,
+		Transfer:         read.Engine(n.Engine),
+		Kernel:           n.Device,
+		Sender:           nc,
+		Renewer:          nc,
+		Layout:           CacheLayout(layout),
+		Local:            plan.Caches{Base: n.Device.BaseAddrs(), NumBlocks: n.Shape.NumBlocks},
+		LocalCache:       &fp,
+		PeerBuffers:      PeerBuffers(n.Engine),
+		Stages:           decode.SizesOf(cfg.Pipeline.Pool),
+		Handshake:        cfg.Handshake,
+		Read:             cfg.Read,
+		Notify:           cfg.Notify,
+		BlockSize:        cfg.Model.BlockSize,
+		PeerAbortTimeout: cfg.Tracker.AbortRequestTimeout.D(),
+		OnFinish:         n.deps.OnFinish,
+		Registerer:       n.deps.Registerer,
+		Logger:           log,
 	})
 	if err != nil {
 		return fmt.Errorf("node: decode worker: %w", err)
@@ -281,15 +278,4 @@ func (n *Node) Close(ctx context.Context) error {
 	}
 	n.closers = nil
 	return errors.Join(errs...)
-}
-
-func stageSizes(p config.Pipeline) decode.StageSizes {
-	w, q := p.Workers, p.Queues
-	return decode.StageSizes{
-		Plan:      decode.StageSize{Workers: w.Plan, Capacity: q.Plan},
-		Handshake: decode.StageSize{Workers: w.Handshake, Capacity: q.Handshake},
-		Read:      decode.StageSize{Workers: w.Read, Capacity: q.Read},
-		Stitch:    decode.StageSize{Workers: w.Stitch, Capacity: q.Stitch},
-		Notify:    decode.StageSize{Workers: w.Notify, Capacity: q.Notify},
-	}
 }

@@ -65,8 +65,7 @@
 // new process whose boot epoch, a boot time in unix nanoseconds as kvflow
 // sends it, is before the job's admission, with no op of the failed batch
 // landed (else the old process was serving during this job's read: the
-// job was there). Options.BeforeRetry (decode's stale-read guard) may
-// still refuse. Otherwise the job fails; when the rank restarted after the
+// job was there). The stale-read guard (below) may still refuse. Otherwise the job fails; when the rank restarted after the
 // job's admission, with ErrPeerRestarted (its blocks were lost with the old
 // process). Every read also refuses metadata whose boot epoch is after the
 // job's admission, so a job whose metadata was first fetched after its
@@ -94,6 +93,21 @@
 // batch said it succeeded. The TCP engine's batches are all-or-nothing and
 // it has no ledger; the cgo engine reports Mooncake's transferred_bytes
 // per task (mooncake.LedgerReader), which Engine hands to the stage.
+//
+// Stale reads (stale.go). With a Guard the stage refuses a read that
+// would start past the prefill's abort timeout at a rank without a lease
+// renewed here (ErrStaleRead, kvflow_decode_stale_reads_refused_total):
+// the prefill may have force-freed and reused the blocks. A rank whose
+// lease this worker renews (stages/lease) is checked by its lease instead:
+// refused once no RENEW was acknowledged for the TTL less TTL/5
+// (ErrLeaseLost, kvflow_decode_lease_lost_reads_total), and checked again
+// when the read ends, so bytes read while a lease may have run out are
+// never reported done. A retried read is checked before it starts. The
+// metric names predate the guard's move here from the decode role.
+//
+// New(Config, Deps) builds the stage: Config (read.* keys: timeout,
+// per-peer limit, fused stitch, and the prefill's grants mode) with
+// DefaultConfig, Validate and RegisterFlags; DefaultPool is its pool.
 //
 // The package never touches sockets or memory itself; it calls a Transfer
 // (hw/mooncake in production). A job whose read fails is failed with the

@@ -54,7 +54,7 @@ func TestHeadSliceReadAndSeedPeerRefused(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			rt := &recordTransfer{}
-			s, err := New(rt, Options{
+			s, err := build(rt, Options{
 				Layout:    plan.CacheLayout{BlockLen: []uint64{blockLen}, CachesPerLayer: 2},
 				Local:     plan.Caches{Base: []uint64{5 << 30, 6 << 30, 7 << 30, 8 << 30}, NumBlocks: 8},
 				BlockSize: blockSize,
@@ -138,7 +138,7 @@ func TestHeadSliceChunks(t *testing.T) {
 	}
 	// Through the stage: four batches, the same ops.
 	rt := &recordTransfer{}
-	st, err := New(rt, Options{Layout: plan.CacheLayout{BlockLen: layout.BlockLen, CachesPerLayer: 2}, Local: local, BlockSize: 128})
+	st, err := build(rt, Options{Layout: plan.CacheLayout{BlockLen: layout.BlockLen, CachesPerLayer: 2}, Local: local, BlockSize: 128})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -198,7 +198,7 @@ func TestHeadSliceGather(t *testing.T) {
 		t.Fatal(err)
 	}
 	rt := &recordTransfer{gather: true}
-	st, err := New(rt, Options{Layout: plan.CacheLayout{BlockLen: layout.BlockLen, CachesPerLayer: 2}, Local: local, BlockSize: 128})
+	st, err := build(rt, Options{Layout: plan.CacheLayout{BlockLen: layout.BlockLen, CachesPerLayer: 2}, Local: local, BlockSize: 128})
 	if err != nil {
 		t.Fatal(err)
 	}

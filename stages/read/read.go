@@ -64,8 +64,11 @@ type Options struct {
 	RefetchTimeout time.Duration
 	// BeforeRetry, if set, may refuse a retry (returning why) just before
 	// it starts, with j.Metas[task] already the re-fetched metadata: the
-	// request's deadline (decode's stale-read guard).
+	// request's deadline. The stage's own Guard checks after it.
 	BeforeRetry func(j *job.Job, task int) error
+	// Guard, if it checks anything, is the stale-read guard around every
+	// read and before every retry (stale.go).
+	Guard *Guard
 	// GrantWait: a batch the peer refused outright (Failure.Refused, no op
 	// landed) is read again, with backoff, until GrantWait after the job's
 	// admission. A prefill with read grants serves a request's blocks only
@@ -89,20 +92,62 @@ type Stage struct {
 	t    Transfer
 	caps Capabilities // t's, read once in New
 	opts Options
+	m    *metrics
 
 	mu   sync.Mutex
 	sems map[string]chan struct{}
+}
 
+// metrics are the read stage's.
+type metrics struct {
 	bytes, ops, failures prometheus.Counter
 	shortfalls           prometheus.Counter
 	fused                prometheus.Counter
 	waiting              prometheus.Gauge
 	retries              *prometheus.CounterVec
 	grantWaits           prometheus.Counter
+	// The stale-read guard's (stale.go); their names predate the guard's
+	// move from the decode role into this stage.
+	staleRefused, leaseLost prometheus.Counter
 }
 
-// New makes the stage.
-func New(t Transfer, opts Options) (*Stage, error) {
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	m := &metrics{}
+	m.bytes = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_bytes_total", Help: "Bytes read from prefill ranks (successful batches)."})
+	m.ops = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_ops_total", Help: "Transfer ops posted (successful batches)."})
+	m.failures = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_batch_failures_total", Help: "Batches that failed."})
+	m.shortfalls = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_ledger_shortfalls_total", Help: "Batches that reported success but whose byte ledger showed ops not fully landed (the job fails)."})
+	m.fused = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_fused_stitch_jobs_total", Help: "Jobs whose blocks were read straight into their stitched layout (head transpose fused into the read; the stitch stage skips them)."})
+	m.waiting = prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvflow_read_session_waiting", Help: "Batches waiting for their session's concurrency limit."})
+	m.retries = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvflow_read_retries_total",
+		Help: "Failed reads after which the peer's metadata was re-fetched, by result: done (read again and landed), failed (read again and failed), refused (not read again: the peer restarted after the request, part of the batch had landed, the failure was not a lost connection, or the request's deadline had passed), refetch_failed."},
+		[]string{"result"})
+	for _, r := range []string{"done", "failed", "refused", "refetch_failed"} {
+		m.retries.WithLabelValues(r)
+	}
+	m.grantWaits = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_grant_waits_total",
+		Help: "Batches read again after the peer refused them before any byte landed, within read GrantWait of admission (the prefill's grant for the request may not have arrived yet)."})
+	m.staleRefused = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvflow_decode_stale_reads_refused_total",
+		Help: "Requests failed instead of read because their read would start past the prefill's abort timeout at a rank without a lease (blocks may have been freed).",
+	})
+	m.leaseLost = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvflow_decode_lease_lost_reads_total",
+		Help: "Requests failed instead of read, or after their read, because no RENEW of theirs at a leased prefill rank was acknowledged within the lease TTL less a margin (the prefill may have freed the blocks).",
+	})
+	if reg != nil {
+		for _, c := range []prometheus.Collector{m.bytes, m.ops, m.failures, m.shortfalls, m.fused, m.waiting, m.retries, m.grantWaits, m.staleRefused, m.leaseLost} {
+			if err := reg.Register(c); err != nil {
+				return nil, fmt.Errorf("read: register metrics: %w", err)
+			}
+		}
+	}
+	return m, nil
+}
+
+// build makes the stage from its full set of options (New builds
+// them from a Config and Deps; the tests set the rest).
+func build(t Transfer, opts Options) (*Stage, error) {
 	if t == nil {
 		return nil, errors.New("read: nil transfer")
 	}
@@ -125,28 +170,14 @@ func New(t Transfer, opts Options) (*Stage, error) {
 	if opts.GrantWait == 0 {
 		opts.GrantWait = time.Second
 	}
-	s := &Stage{t: t, caps: t.Capabilities(), opts: opts, sems: map[string]chan struct{}{}}
-	s.bytes = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_bytes_total", Help: "Bytes read from prefill ranks (successful batches)."})
-	s.ops = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_ops_total", Help: "Transfer ops posted (successful batches)."})
-	s.failures = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_batch_failures_total", Help: "Batches that failed."})
-	s.shortfalls = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_ledger_shortfalls_total", Help: "Batches that reported success but whose byte ledger showed ops not fully landed (the job fails)."})
-	s.fused = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_fused_stitch_jobs_total", Help: "Jobs whose blocks were read straight into their stitched layout (head transpose fused into the read; the stitch stage skips them)."})
-	s.waiting = prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvflow_read_session_waiting", Help: "Batches waiting for their session's concurrency limit."})
-	s.retries = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvflow_read_retries_total",
-		Help: "Failed reads after which the peer's metadata was re-fetched, by result: done (read again and landed), failed (read again and failed), refused (not read again: the peer restarted after the request, part of the batch had landed, the failure was not a lost connection, or the request's deadline had passed), refetch_failed."},
-		[]string{"result"})
-	for _, r := range []string{"done", "failed", "refused", "refetch_failed"} {
-		s.retries.WithLabelValues(r)
+	m, err := newMetrics(opts.Registerer)
+	if err != nil {
+		return nil, err
 	}
-	s.grantWaits = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_grant_waits_total",
-		Help: "Batches read again after the peer refused them before any byte landed, within read GrantWait of admission (the prefill's grant for the request may not have arrived yet)."})
-	if opts.Registerer != nil {
-		for _, c := range []prometheus.Collector{s.bytes, s.ops, s.failures, s.shortfalls, s.fused, s.waiting, s.retries, s.grantWaits} {
-			if err := opts.Registerer.Register(c); err != nil {
-				return nil, fmt.Errorf("read: register metrics: %w", err)
-			}
-		}
+	if !opts.Guard.on() {
+		opts.Guard = nil
 	}
+	s := &Stage{t: t, caps: t.Capabilities(), opts: opts, m: m, sems: map[string]chan struct{}{}}
 	return s, nil
 }
 
@@ -162,15 +193,31 @@ func (s *Stage) sem(session string) chan struct{} {
 }
 
 // Process reads every task of j; it fails on the first failed task and
-// cancels the others.
+// cancels the others. With a Guard it refuses a stale read before any
+// task starts, and fails one whose leases ran out while it read.
 func (s *Stage) Process(ctx context.Context, j *job.Job) error {
+	if s.opts.Guard != nil {
+		if err := s.checkStale(j, "started"); err != nil {
+			return err
+		}
+		if err := s.process(ctx, j); err != nil {
+			return err
+		}
+		// The bytes came from blocks the prefill held throughout only if
+		// the leases still hold.
+		return s.checkStale(j, "ended")
+	}
+	return s.process(ctx, j)
+}
+
+func (s *Stage) process(ctx context.Context, j *job.Job) error {
 	ctx, stop := j.Context(ctx)
 	defer stop()
 	// Fused or not is decided once per job: every task of it must land
 	// its slices the same way for the blocks to come out right.
 	j.Stitched = s.fuses(j.Plan)
 	if j.Stitched {
-		s.fused.Inc()
+		s.m.fused.Inc()
 	}
 	g, gctx := errgroup.WithContext(ctx)
 	for i := range j.Plan.Tasks {
@@ -221,7 +268,7 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 			return err
 		case <-t.C:
 		}
-		s.grantWaits.Inc()
+		s.m.grantWaits.Inc()
 		if err, batchErr = s.attempt(ctx, j, i); batchErr == nil || ctx.Err() != nil {
 			return err
 		}
@@ -241,7 +288,7 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 func (s *Stage) recover(ctx context.Context, j *job.Job, i int, err error, f Failure) error {
 	if f.Moved { // the peer was there: no restart lost this read; not retried
 		s.invalidate(j, i)
-		s.retries.WithLabelValues("refused").Inc()
+		s.m.retries.WithLabelValues("refused").Inc()
 		return err
 	}
 	used := j.Metas[i]
@@ -249,7 +296,7 @@ func (s *Stage) recover(ctx context.Context, j *job.Job, i int, err error, f Fai
 	fresh, ferr := s.opts.Refetch(rctx, j, i, used, time.Now())
 	cancel()
 	if ferr != nil {
-		s.retries.WithLabelValues("refetch_failed").Inc()
+		s.m.retries.WithLabelValues("refetch_failed").Inc()
 		return fmt.Errorf("%w; re-fetching the peer's metadata: %w", err, ferr)
 	}
 	// The rank's metadata as it is now: what notify's DONE must follow too.
@@ -258,21 +305,24 @@ func (s *Stage) recover(ctx context.Context, j *job.Job, i int, err error, f Fai
 	if v == nil && s.opts.BeforeRetry != nil {
 		v = s.opts.BeforeRetry(j, i)
 	}
+	if v == nil && s.opts.Guard != nil {
+		v = s.checkTask(j, i)
+	}
 	if v != nil {
-		s.retries.WithLabelValues("refused").Inc()
+		s.m.retries.WithLabelValues("refused").Inc()
 		if errors.Is(v, ErrPeerRestarted) {
 			return fmt.Errorf("%w; %w", v, err)
 		}
 		return fmt.Errorf("%w; not read again: %w", err, v)
 	}
 	if err2, _ := s.attempt(ctx, j, i); err2 != nil {
-		s.retries.WithLabelValues("failed").Inc()
+		s.m.retries.WithLabelValues("failed").Inc()
 		if ctx.Err() == nil {
 			s.invalidate(j, i)
 		}
 		return fmt.Errorf("%w; retried once with the peer's re-fetched metadata (boot epoch %d → %d): %w", err, used.BootEpoch, fresh.BootEpoch, err2)
 	}
-	s.retries.WithLabelValues("done").Inc()
+	s.m.retries.WithLabelValues("done").Inc()
 	return nil
 }
 
@@ -317,12 +367,12 @@ func (s *Stage) attempt(ctx context.Context, j *job.Job, i int) (err, batchErr e
 		select {
 		case sem <- struct{}{}:
 		default:
-			s.waiting.Inc()
+			s.m.waiting.Inc()
 			select {
 			case sem <- struct{}{}:
-				s.waiting.Dec()
+				s.m.waiting.Dec()
 			case <-ctx.Done():
-				s.waiting.Dec()
+				s.m.waiting.Dec()
 				return fmt.Errorf("read task %d session %s: %w", i, session, context.Cause(ctx)), nil
 			}
 		}
@@ -343,12 +393,12 @@ func (s *Stage) attempt(ctx context.Context, j *job.Job, i int) (err, batchErr e
 				return fmt.Errorf("read task %d (rank %d) layers [%d, %d): %w", i, t.RemoteRank, c.LayerStart, c.LayerEnd, err), nil
 			}
 			if err := s.batch(ctx, session, rd, false, false); err != nil {
-				s.failures.Inc()
+				s.m.failures.Inc()
 				return fmt.Errorf("read task %d (rank %d) session %s, layers [%d, %d), %d ops: %w", i, t.RemoteRank, session, c.LayerStart, c.LayerEnd, rd.Len(), err), err
 			}
 		}
 	} else if err := s.batch(ctx, session, rd, j.Stitched, gather); err != nil {
-		s.failures.Inc()
+		s.m.failures.Inc()
 		return fmt.Errorf("read task %d (rank %d) session %s, %d ops: %w", i, t.RemoteRank, session, nops, err), err
 	}
 	if gather {
@@ -356,8 +406,8 @@ func (s *Stage) attempt(ctx context.Context, j *job.Job, i int) (err, batchErr e
 	}
 	j.BytesRead.Add(n)
 	j.OpsRead.Add(uint64(nops))
-	s.bytes.Add(float64(n))
-	s.ops.Add(float64(nops))
+	s.m.bytes.Add(float64(n))
+	s.m.ops.Add(float64(nops))
 	return nil, nil
 }
 
@@ -434,7 +484,7 @@ func (s *Stage) batch(ctx context.Context, session string, rd *plan.Reads, fused
 	if short == 0 {
 		return nil
 	}
-	s.shortfalls.Inc()
+	s.m.shortfalls.Inc()
 	op := rd.At(first)
 	return fmt.Errorf("%w: %d of %d ops incomplete, %d bytes missing; first: op %d local %#x remote %#x landed %d of %d bytes",
 		ErrShortfall, short, rd.Len(), missing, first, op.Local, op.Remote, landed[first], op.Len)

@@ -64,7 +64,7 @@ func testJob(tasks int) *job.Job {
 
 func newStage(t *testing.T, f *fakeTransfer, inv Invalidator, small ...uint64) *Stage {
 	t.Helper()
-	s, err := New(f, Options{
+	s, err := build(f, Options{
 		Layout:     plan.CacheLayout{BlockLen: []uint64{4096}, CachesPerLayer: 2},
 		Local:      plan.Caches{Base: []uint64{5 << 30, 6 << 30, 7 << 30, 8 << 30}, NumBlocks: 8},
 		PerSession: 2, Invalidate: inv, SmallBatch: append(small, 0)[0],
@@ -193,7 +193,7 @@ func TestTransferKinds(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			k := &kindTransfer{short: -1}
-			s, err := New(c.mk(k), opts)
+			s, err := build(c.mk(k), opts)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -208,7 +208,7 @@ func TestTransferKinds(t *testing.T) {
 				t.Fatalf("counted %d bytes, %d ops; want %d, %d", j.BytesRead.Load(), j.OpsRead.Load(), wantBytes, len(want))
 			}
 			k = &kindTransfer{short: 2}
-			if s, err = New(c.mk(k), opts); err != nil {
+			if s, err = build(c.mk(k), opts); err != nil {
 				t.Fatal(err)
 			}
 			err = s.Process(context.Background(), testJob(1))
@@ -281,7 +281,7 @@ func TestFusedStitch(t *testing.T) {
 				BlockSize: bs,
 			}
 			c.opts(&o)
-			s, err := New(k, o)
+			s, err := build(k, o)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -131,7 +131,7 @@ func TestRetryOnce(t *testing.T) {
 			if tc.noClassify {
 				tr = transferOnly{st}
 			}
-			s, err := New(tr, Options{
+			s, err := build(tr, Options{
 				Layout:     plan.CacheLayout{BlockLen: []uint64{4096}, CachesPerLayer: 2},
 				Local:      plan.Caches{Base: []uint64{5 << 30, 6 << 30, 7 << 30, 8 << 30}, NumBlocks: 8},
 				Invalidate: func(*job.Job, int) { invalidated = true },
@@ -168,7 +168,7 @@ func TestRetryOnce(t *testing.T) {
 			if want := map[bool]int{true: 0, false: 1}[tc.moved]; refetches != want {
 				t.Fatalf("%d refetches, want %d", refetches, want)
 			}
-			if n := testutil.ToFloat64(s.retries.WithLabelValues(tc.result)); n != 1 {
+			if n := testutil.ToFloat64(s.m.retries.WithLabelValues(tc.result)); n != 1 {
 				t.Fatalf("retries{result=%s} = %v, want 1", tc.result, n)
 			}
 			if tc.result == "done" && j.BytesRead.Load() == 0 {
@@ -233,7 +233,7 @@ func TestNoRetryAfterCancel(t *testing.T) {
 		return errLost // the connection "failed" as the abort landed
 	})
 	var refetches int
-	s, err := New(tr, Options{
+	s, err := build(tr, Options{
 		Layout: plan.CacheLayout{BlockLen: []uint64{4096}, CachesPerLayer: 2},
 		Local:  plan.Caches{Base: []uint64{5 << 30, 6 << 30, 7 << 30, 8 << 30}, NumBlocks: 8},
 		Refetch: func(context.Context, *job.Job, int, job.Meta, time.Time) (job.Meta, error) {
