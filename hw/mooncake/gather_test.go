@@ -275,3 +275,33 @@ func TestBatchReadGatherBadInput(t *testing.T) {
 		t.Fatalf("served %v reads", got)
 	}
 }
+
+// With RequireAuth the strided READ is served, like any READ, only on a
+// connection that proved its credential: an authenticated kvflow
+// initiator negotiates it and reads; a raw strided request from an
+// outsider is cut at its first 8 bytes, with no byte of memory.
+func TestGatherAuth(t *testing.T) {
+	target, mem, _ := authTarget(t)
+	cli, _ := newEngine(t, testConfig())
+	if err := cli.SetPeerCredential(target.SessionID(), credFor(t, target)); err != nil {
+		t.Fatal(err)
+	}
+	loc := register(t, cli, 64<<10, 0)
+	g := Stride{Row: 512, Pitch: 2048}
+	if err := cli.BatchReadGather(context.Background(), target.SessionID(), []Op{{Local: AddrOf(loc), Remote: AddrOf(mem) + 512, Length: 64 << 10}}, g); err != nil {
+		t.Fatal(err)
+	}
+	for i := range loc {
+		if want := mem[512+(i/512)*2048+i%512]; loc[i] != want {
+			t.Fatalf("byte %d: %#x, want %#x", i, loc[i], want)
+		}
+	}
+	if got := testutil.ToFloat64(target.m.serveReadOps); got != 1 {
+		t.Fatalf("target served %v requests, want 1 strided READ", got)
+	}
+	c := dialRaw(t, target.DataPort())
+	c.Write(stridedReq(4096, AddrOf(mem), 1024, 2048, OpcodeReadStrided|OpcodeV2))
+	if got := readAll(t, c); len(got) != 0 {
+		t.Fatalf("an outsider's strided READ got %d bytes", len(got))
+	}
+}

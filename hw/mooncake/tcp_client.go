@@ -662,12 +662,15 @@ func (e *TCPEngine) handshake(ctx context.Context, host string, port int) (*Segm
 	return DecodeSegment(payload)
 }
 
-// target returns the data address and framing to use, and the
-// handshake generation they belong to.
-func (p *peer) target() (string, bool, uint64) {
+// target returns the data address and framing to use, whether the peer
+// serves kvflow's strided READ, and the handshake generation they belong
+// to.
+func (p *peer) target() (addr string, v2, strided bool, gen uint64) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.dataAddr, p.desc != nil && p.desc.TCPProtoVersion >= 2, p.gen.Load()
+	v2 = p.desc != nil && p.desc.TCPProtoVersion >= 2
+	strided = v2 && p.desc.KvflowOps&KvflowOpStridedRead != 0 && !p.e.cfg.NoKvflowOps
+	return p.dataAddr, v2, strided, p.gen.Load()
 }
 
 // layout returns the peer's registered buffers (see buffers) and whether
@@ -701,6 +704,10 @@ func (p *peer) markStale() {
 	p.mu.Unlock()
 }
 
+// errStridedGone: a strided READ for a peer whose current handshake no
+// longer advertises the op.
+var errStridedGone = errors.New("peer no longer serves kvflow's strided READ (re-handshaken); read again")
+
 // errAborted: interrupt cut the lane's connection because a batch with a
 // request on it was cancelled.
 var errAborted = errors.New("lane aborted for a cancelled batch")
@@ -721,6 +728,7 @@ type lane struct {
 	mu      sync.Mutex // guards the fields below and deadline updates
 	conn    net.Conn
 	v2      bool
+	strided bool // conn's peer advertised kvflow's strided READ (at dial)
 	closing bool
 	aborted bool      // interrupt cut conn for a cancelled batch
 	win     []*task   // requests sent on conn and not yet finished, oldest first
@@ -831,6 +839,13 @@ func (l *lane) admit(t *task) bool {
 			return false
 		}
 	}
+	if t.strided && !l.strided {
+		// Split for a peer that advertised the op; the process behind
+		// this connection's handshake did not (a restart in between):
+		// it never sees the op.
+		t.finish(fmt.Errorf("%s: %w", l.p.session, errStridedGone))
+		return false
+	}
 	// Checked again under mu: interrupt, which runs after cancelled is
 	// set, either sees t in win or t sees cancelled here.
 	l.mu.Lock()
@@ -849,9 +864,7 @@ func (l *lane) send(t *task) {
 	if !l.admit(t) {
 		return
 	}
-	if t.strided {
-		// Negotiated only with a v2 peer: the answer has a status frame
-		// (a lane of a peer that re-handshook as v1 fails it on that).
+	if t.strided { // admit checked that conn's peer serves it (v2 only)
 		g := t.b.gather
 		var sb [StridedHeaderSize]byte
 		PutStrided(&sb, StridedRead{Addr: t.remote, Row: g.Row, Pitch: g.Pitch, Rows: t.length / g.Row})
@@ -1155,7 +1168,7 @@ func (l *lane) dropConn() {
 
 func (l *lane) dial(b *batch) error {
 	e := l.p.e
-	addr, v2, gen := l.p.target()
+	addr, v2, strided, gen := l.p.target()
 	ctx, cancel := context.WithTimeout(b.ctx, e.cfg.ConnectTimeout)
 	defer cancel()
 	defer context.AfterFunc(e.ctx, cancel)()
@@ -1179,7 +1192,7 @@ func (l *lane) dial(b *batch) error {
 		c.Close()
 		return ErrClosed
 	}
-	l.conn, l.v2, l.armedAt, l.gen = c, v2, time.Time{}, gen
+	l.conn, l.v2, l.strided, l.armedAt, l.gen = c, v2, strided, time.Time{}, gen
 	l.mu.Unlock()
 	if l.br == nil {
 		l.br = bufio.NewReaderSize(c, laneBuf)

@@ -2,6 +2,7 @@ package read
 
 import (
 	"context"
+	"errors"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -195,5 +196,92 @@ func TestAppendEngineOpsRandom(t *testing.T) {
 		if !slices.Equal(got, want) {
 			t.Fatalf("layout %+v task %+v: engine ops differ from AppendTo's (%d vs %d)", layout, task, len(got), len(want))
 		}
+	}
+}
+
+// capsEngine is a mooncake.Engine with every optional read capability
+// (strided local rows, gathered remote rows, a ledger); it records which
+// form each batch took.
+type capsEngine struct {
+	mooncake.Engine
+	calls []string
+	ops   [][]mooncake.Op
+	short bool // the ledger shows op 0 half landed
+}
+
+func (e *capsEngine) BatchRead(_ context.Context, _ string, ops []mooncake.Op) error {
+	e.calls, e.ops = append(e.calls, "plain"), append(e.ops, ops)
+	return nil
+}
+
+func (e *capsEngine) BatchReadStrided(_ context.Context, _ string, ops []mooncake.Op, s mooncake.Stride) error {
+	e.calls, e.ops = append(e.calls, "strided"), append(e.ops, ops)
+	return nil
+}
+
+func (e *capsEngine) BatchReadGather(_ context.Context, _ string, ops []mooncake.Op, g mooncake.Stride) error {
+	e.calls, e.ops = append(e.calls, "gather"), append(e.ops, ops)
+	return nil
+}
+
+func (e *capsEngine) BatchReadLedger(_ context.Context, _ string, ops []mooncake.Op, landed []uint64) error {
+	e.calls, e.ops = append(e.calls, "ledger"), append(e.ops, ops)
+	for i, op := range ops {
+		landed[i] = op.Length
+	}
+	if e.short {
+		landed[0] /= 2
+	}
+	return nil
+}
+
+// Engine resolves an engine's capabilities once and sends each batch to
+// the form it asks for; a batch asking for what the engine cannot do is
+// refused, not silently read another way. Through the stage, a ledger
+// shortfall fails the job.
+func TestEngineCapabilities(t *testing.T) {
+	var rd plan.Reads
+	layout := plan.CacheLayout{BlockLen: []uint64{4096}, CachesPerLayer: 2, BlockSize: 16}
+	task := plan.Task{P: 1, HeadSplit: 2, HeadSlice: 1, LayerStart: 0, LayerEnd: 1, LocalBlockIDs: []int{0, 1}, RemoteBlockIDs: []int{4, 5}}
+	if err := rd.Build(layout, task, plan.Caches{Base: []uint64{1 << 30, 2 << 30}}, plan.Caches{Base: []uint64{3 << 30, 4 << 30}}); err != nil {
+		t.Fatal(err)
+	}
+	e := &capsEngine{}
+	tr := Engine(e)
+	if c := tr.Capabilities(); !c.LocalStride || !c.Gather || !c.Ledger || c.Classify == nil {
+		t.Fatalf("capabilities %+v", c)
+	}
+	ctx := context.Background()
+	for _, b := range []*Batch{
+		{Reads: &rd},
+		{Reads: &rd, Gather: true},
+		{Reads: &rd, Row: 64, Pitch: 256},
+		{Reads: &rd, Landed: make([]uint64, rd.Len())},
+	} {
+		if err := tr.BatchRead(ctx, "s", b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if want := []string{"plain", "gather", "strided", "ledger"}; !slices.Equal(e.calls, want) {
+		t.Fatalf("calls %v, want %v", e.calls, want)
+	}
+	if len(e.ops[1]) != 2 || e.ops[1][0].Length != 2*4096 || len(e.ops[0]) != rd.Len() {
+		t.Fatalf("gather ops %v; plain %d ops", e.ops[1], len(e.ops[0]))
+	}
+	plain := Engine(&opsEngine{})
+	for _, b := range []*Batch{{Reads: &rd, Gather: true}, {Reads: &rd, Row: 64, Pitch: 256}, {Reads: &rd, Landed: make([]uint64, rd.Len())}} {
+		if err := plain.BatchRead(ctx, "s", b); err == nil {
+			t.Fatalf("a plain engine ran %+v", b)
+		}
+	}
+
+	// The stage with a ledger engine that reports a short op: the job fails.
+	st, err := build(Engine(&capsEngine{short: true}), Options{Layout: plan.CacheLayout{BlockLen: []uint64{4096}, CachesPerLayer: 2},
+		Local: plan.Caches{Base: []uint64{5 << 30, 6 << 30, 7 << 30, 8 << 30}, NumBlocks: 8}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Process(ctx, testJob(1)); !errors.Is(err, ErrShortfall) {
+		t.Fatalf("err %v, want %v", err, ErrShortfall)
 	}
 }
