@@ -37,6 +37,7 @@ func FuzzDecodeSegment(f *testing.F) {
 		f.Add(loadHex(f, name)[9:])
 	}
 	f.Add([]byte(`{"buffers":[{"addr":1e400}]}`))
+	f.Add([]byte(`{"buffers":[],"kvflow_ops":1,"name":"h:1","protocol":"tcp","tcp_data_port":1,"tcp_proto_version":2}`))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		d, err := DecodeSegment(data)
 		if err != nil {
