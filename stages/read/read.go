@@ -77,9 +77,9 @@ type Options struct {
 	// (tens of engine steps); negative: no wait. A request whose blocks
 	// were freed fails that much later.
 	GrantWait time.Duration
-	// BlockSize is the tokens per block (block_size). With a
-	// transfer with LocalStride and P > 1 the stage reads every block straight into
-	// its stitched layout and marks the job Stitched; 0, NoFuse, or a
+	// BlockSize is the tokens per block (block_size). With a transfer
+	// that has LocalStride and P > 1 the stage reads every block straight
+	// into its stitched layout and marks the job Stitched; 0, NoFuse, or a
 	// layout that does not split into P equal token slices read as the
 	// seed does and leave the transpose to the stitch stage.
 	BlockSize  int
