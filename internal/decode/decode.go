@@ -103,9 +103,9 @@ type Options struct {
 	Read      read.Config
 	Notify    notify.Config
 	// BlockSize is the tokens per block; with it and a
-	// read.StridedTransfer the read stage fuses the head transpose into
-	// the reads (unless Read.FusedStitch is off) and the stitch stage
-	// idles.
+	// transfer that lays out strided rows (read.Capabilities.LocalStride)
+	// the read stage fuses the head transpose into the reads (unless
+	// Read.FusedStitch is off) and the stitch stage idles.
 	BlockSize int
 	// MaxFinished bounds finished results kept for Finished (an engine that
 	// never polls must not grow memory without end); the oldest are dropped

@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvflow/kvflow/stages/job"
 	"github.com/kvflow/kvflow/stages/plan"
+	"github.com/kvflow/kvflow/stages/read"
 )
 
 type renewCall struct {
@@ -138,9 +139,11 @@ func (f fetcherFunc) GetMeta(ctx context.Context, ep string) (job.Meta, error) {
 
 type transferFunc func(context.Context, string, []plan.Op) error
 
-func (f transferFunc) BatchRead(ctx context.Context, s string, ops []plan.Op) error {
-	return f(ctx, s, ops)
+func (f transferFunc) BatchRead(ctx context.Context, s string, b *read.Batch) error {
+	return f(ctx, s, b.AppendTo(nil))
 }
+
+func (transferFunc) Capabilities() read.Capabilities { return read.Capabilities{} }
 
 type senderFunc func(context.Context, string, string) error
 

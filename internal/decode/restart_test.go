@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/kvflow/kvflow/stages/job"
-	"github.com/kvflow/kvflow/stages/plan"
 	"github.com/kvflow/kvflow/stages/read"
 )
 
@@ -51,7 +50,7 @@ func (p *restartingPeer) GetMeta(context.Context, string) (job.Meta, error) {
 	return job.Meta{EngineID: "P", TERPCPort: p.port, BaseAddrs: []uint64{1 << 20, 1<<20 + 4096}, NumBlocks: 8, BootEpoch: p.epoch}, nil
 }
 
-func (p *restartingPeer) BatchRead(ctx context.Context, session string, _ []plan.Op) error {
+func (p *restartingPeer) BatchRead(ctx context.Context, session string, _ *read.Batch) error {
 	p.mu.Lock()
 	gate, live := p.gate, fmt.Sprintf("127.0.0.1:%d", p.port)
 	p.mu.Unlock()
@@ -72,8 +71,10 @@ func (p *restartingPeer) BatchRead(ctx context.Context, session string, _ []plan
 	return nil
 }
 
-func (p *restartingPeer) ClassifyFailure(err error) read.Failure {
-	return read.Failure{ConnLost: errors.Is(err, errConnLost)}
+func (p *restartingPeer) Capabilities() read.Capabilities {
+	return read.Capabilities{Classify: func(err error) read.Failure {
+		return read.Failure{ConnLost: errors.Is(err, errConnLost)}
+	}}
 }
 
 func restartWorker(t *testing.T, p *restartingPeer, opts ...func(*Options)) *Worker {

@@ -17,6 +17,7 @@ import (
 	"github.com/kvflow/kvflow/internal/node"
 	"github.com/kvflow/kvflow/internal/sidechannel"
 	"github.com/kvflow/kvflow/stages/plan"
+	"github.com/kvflow/kvflow/stages/read"
 )
 
 // Options shape a loopback cluster: prefill instances of PrefillTP ranks
@@ -264,7 +265,7 @@ func (c *Cluster) Reset(sched func(rank int) faults.Schedule) error {
 			Self:             cfg.Self(),
 			LocalEngineID:    cfg.KVTransfer.EngineID,
 			Fetcher:          in.Fetcher(node.Fetcher(n.Client)),
-			Transfer:         in.Transfer(node.Transfer(n.Engine)),
+			Transfer:         in.Transfer(read.Engine(n.Engine)),
 			Sender:           in.Sender(sender{n.Notify, d}),
 			Renewer:          n.Notify,
 			PeerAbortTimeout: cfg.Tracker.AbortRequestTimeout.D(),

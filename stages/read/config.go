@@ -182,7 +182,7 @@ type Deps struct {
 	// layer) shared by both sides; Local is this worker's caches.
 	Layout plan.CacheLayout
 	Local  plan.Caches
-	// BlockSize is the tokens per block; with a StridedTransfer and
+	// BlockSize is the tokens per block; with a LocalStride transfer and
 	// Config.FusedStitch the stage fuses the head transpose into the
 	// reads.
 	BlockSize int

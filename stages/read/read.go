@@ -14,55 +14,6 @@ import (
 	"github.com/kvflow/kvflow/stages/plan"
 )
 
-// Transfer runs one all-or-nothing batch of reads from session
-// "host:rpc_port" into local memory.
-type Transfer interface {
-	BatchRead(ctx context.Context, session string, ops []plan.Op) error
-}
-
-// LedgerTransfer is a Transfer that also reports, per op, the bytes that
-// landed in local memory (Mooncake's transferred_bytes; the TCP engine's
-// received byte counts). The read stage reconciles that ledger with the
-// manifest it posted and fails the job on any shortfall, even when the
-// batch itself reported success.
-type LedgerTransfer interface {
-	Transfer
-	// BatchReadLedger is BatchRead that sets landed[i] to the bytes of
-	// ops[i] that reached local memory; len(landed) == len(ops).
-	BatchReadLedger(ctx context.Context, session string, ops []plan.Op, landed []uint64) error
-}
-
-// ReadsTransfer is a Transfer that takes a task's reads in compact form
-// (plan.Reads) and expands them itself, once, straight into its engine's
-// own op list, so that no []plan.Op is built and then copied. The stage
-// prefers it to BatchRead. r, and the lists it aliases, are valid only
-// during the call: keep nothing of it.
-type ReadsTransfer interface {
-	Transfer
-	// BatchReads is BatchRead of r's ops (r.AppendTo(nil)).
-	BatchReads(ctx context.Context, session string, r *plan.Reads) error
-}
-
-// ReadsLedgerTransfer is LedgerTransfer for compact reads. The stage
-// prefers it to every other form.
-type ReadsLedgerTransfer interface {
-	ReadsTransfer
-	// BatchReadsLedger is BatchReadLedger of r's ops: landed[i], i <
-	// r.Len(), is set to the bytes of op i (r.At(i)) that landed.
-	BatchReadsLedger(ctx context.Context, session string, r *plan.Reads, landed []uint64) error
-}
-
-// StridedTransfer is a ReadsTransfer whose engine can lay each op's bytes
-// out in strided rows of local memory (mooncake.StridedReader). With it the
-// stage fuses the head transpose of P > 1 requests into the read (see
-// plan.Reads.Interleave) and the stitch stage has nothing left to do.
-type StridedTransfer interface {
-	ReadsTransfer
-	// BatchReadsStrided is BatchReads with every op's bytes landing in
-	// rows of row bytes, pitch bytes apart, from the op's Local.
-	BatchReadsStrided(ctx context.Context, session string, r *plan.Reads, row, pitch uint64) error
-}
-
 // ErrShortfall marks a batch whose ledger shows fewer bytes than posted.
 var ErrShortfall = errors.New("read: byte ledger shortfall")
 
@@ -97,7 +48,7 @@ type Options struct {
 	// slot to the last byte; 0 = none beyond the engine's I/O timeout.
 	Timeout    time.Duration
 	Invalidate Invalidator
-	// Refetch, with a Transfer that is a FailureClassifier, turns on the
+	// Refetch, with a Transfer that classifies failures, turns on the
 	// retry of a read that failed because its peer may have restarted:
 	// the task's metadata is re-fetched through it and, when retryVerdict
 	// allows, the task is read once more (see retry.go). Nil: a failed
@@ -126,9 +77,9 @@ type Options struct {
 	// (tens of engine steps); negative: no wait. A request whose blocks
 	// were freed fails that much later.
 	GrantWait time.Duration
-	// BlockSize is the tokens per block (block_size). With a
-	// StridedTransfer and P > 1 the stage reads every block straight into
-	// its stitched layout and marks the job Stitched; 0, NoFuse, or a
+	// BlockSize is the tokens per block (block_size). With a transfer
+	// that has LocalStride and P > 1 the stage reads every block straight
+	// into its stitched layout and marks the job Stitched; 0, NoFuse, or a
 	// layout that does not split into P equal token slices read as the
 	// seed does and leave the transpose to the stitch stage.
 	BlockSize  int
@@ -138,10 +89,10 @@ type Options struct {
 
 // Stage is the read stage.
 type Stage struct {
-	t        Transfer
-	opts     Options
-	classify FailureClassifier // nil: the transfer cannot tell; no retry
-	m        *metrics
+	t    Transfer
+	caps Capabilities // t's, read once in New
+	opts Options
+	m    *metrics
 
 	mu   sync.Mutex
 	sems map[string]chan struct{}
@@ -226,8 +177,7 @@ func build(t Transfer, opts Options) (*Stage, error) {
 	if !opts.Guard.on() {
 		opts.Guard = nil
 	}
-	s := &Stage{t: t, opts: opts, m: m, sems: map[string]chan struct{}{}}
-	s.classify, _ = t.(FailureClassifier)
+	s := &Stage{t: t, caps: t.Capabilities(), opts: opts, m: m, sems: map[string]chan struct{}{}}
 	return s, nil
 }
 
@@ -282,7 +232,7 @@ func (s *Stage) fuses(pl plan.Plan) bool {
 	if s.opts.NoFuse || !pl.Stitch || pl.P < 2 {
 		return false
 	}
-	if _, ok := s.t.(StridedTransfer); !ok {
+	if !s.caps.LocalStride {
 		return false
 	}
 	return plan.CanInterleave(s.opts.Layout.BlockLen, s.opts.BlockSize, pl.P) == nil
@@ -301,11 +251,11 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 	if batchErr == nil || ctx.Err() != nil {
 		return err
 	}
-	if s.classify == nil {
+	if s.caps.Classify == nil {
 		s.invalidate(j, i)
 		return err
 	}
-	f := s.classify.ClassifyFailure(batchErr)
+	f := s.caps.Classify(batchErr)
 	for backoff := 2 * time.Millisecond; f.Refused && !f.Moved; backoff = min(2*backoff, 100*time.Millisecond) {
 		// Refused before any byte: the peer may not have its grant yet.
 		if time.Since(j.Submitted)+backoff > s.opts.GrantWait {
@@ -322,7 +272,7 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 		if err, batchErr = s.attempt(ctx, j, i); batchErr == nil || ctx.Err() != nil {
 			return err
 		}
-		f = s.classify.ClassifyFailure(batchErr)
+		f = s.caps.Classify(batchErr)
 	}
 	if s.opts.Refetch == nil {
 		s.invalidate(j, i)
@@ -428,7 +378,11 @@ func (s *Stage) attempt(ctx context.Context, j *job.Job, i int) (err, batchErr e
 		}
 		defer func() { <-sem }()
 	}
-	if chunks := headSliceChunks(t, nops); len(chunks) > 1 {
+	// A head-split task's rows go as a few strided reads when the
+	// transfer can gather them (the TCP engine: one request per run of
+	// blocks and up to 4 MiB, answered contiguously); else one op each.
+	gather := t.HeadSplit > 1 && s.caps.Gather && rd.GatherLen() > 0
+	if chunks := headSliceChunks(t, nops); len(chunks) > 1 && !gather {
 		// A head-split task reads one op per token row: posted whole, a
 		// long request's op list would take tens of MiB. Read it a few
 		// layers at a time (the same ops, in order; the task still
@@ -438,14 +392,17 @@ func (s *Stage) attempt(ctx context.Context, j *job.Job, i int) (err, batchErr e
 			if err := rd.Build(s.opts.Layout, c, s.opts.Local, remote); err != nil {
 				return fmt.Errorf("read task %d (rank %d) layers [%d, %d): %w", i, t.RemoteRank, c.LayerStart, c.LayerEnd, err), nil
 			}
-			if err := s.batch(ctx, session, rd, false); err != nil {
+			if err := s.batch(ctx, session, rd, false, false); err != nil {
 				s.m.failures.Inc()
 				return fmt.Errorf("read task %d (rank %d) session %s, layers [%d, %d), %d ops: %w", i, t.RemoteRank, session, c.LayerStart, c.LayerEnd, rd.Len(), err), err
 			}
 		}
-	} else if err := s.batch(ctx, session, rd, j.Stitched); err != nil {
+	} else if err := s.batch(ctx, session, rd, j.Stitched, gather); err != nil {
 		s.m.failures.Inc()
 		return fmt.Errorf("read task %d (rank %d) session %s, %d ops: %w", i, t.RemoteRank, session, nops, err), err
+	}
+	if gather {
+		nops = rd.GatherLen() // the ops posted
 	}
 	j.BytesRead.Add(n)
 	j.OpsRead.Add(uint64(nops))
@@ -482,35 +439,28 @@ func headSliceChunks(t plan.Task, nops int) []plan.Task {
 	return out
 }
 
-// batch runs rd's ops, handing the compact form to a ReadsTransfer (which
-// expands it into its engine's op list) and expanding it here only for a
-// plain Transfer. With a ledger (ReadsLedgerTransfer or LedgerTransfer) it
-// reconciles what landed with the manifest (rd) and turns any shortfall
-// into an error naming the first short op.
-func (s *Stage) batch(ctx context.Context, session string, rd *plan.Reads, fused bool) error {
+// batch runs rd's ops as one batch of the transfer: interleaved into
+// strided local rows when fused, in their strided remote form when
+// gather, plainly otherwise. With a ledger (Capabilities.Ledger; plain
+// reads only) it reconciles what landed with the manifest (rd) and turns
+// any shortfall into an error naming the first short op.
+func (s *Stage) batch(ctx context.Context, session string, rd *plan.Reads, fused, gather bool) error {
+	b := Batch{Reads: rd, Gather: gather}
 	if fused {
 		row, pitch, err := rd.Interleave(s.opts.BlockSize)
 		if err != nil { // fuses checked the layout: not reached
 			return err
 		}
-		return s.t.(StridedTransfer).BatchReadsStrided(ctx, session, rd, row, pitch)
+		b.Row, b.Pitch = row, pitch
+		return s.t.BatchRead(ctx, session, &b)
 	}
-	var landed []uint64
-	switch t := s.t.(type) {
-	case ReadsLedgerTransfer:
-		landed = make([]uint64, rd.Len())
-		if err := t.BatchReadsLedger(ctx, session, rd, landed); err != nil {
-			return err
-		}
-	case LedgerTransfer:
-		landed = make([]uint64, rd.Len())
-		if err := t.BatchReadLedger(ctx, session, rd.AppendTo(nil), landed); err != nil {
-			return err
-		}
-	case ReadsTransfer:
-		return t.BatchReads(ctx, session, rd)
-	default:
-		return s.t.BatchRead(ctx, session, rd.AppendTo(nil))
+	if gather || !s.caps.Ledger {
+		return s.t.BatchRead(ctx, session, &b)
+	}
+	landed := make([]uint64, rd.Len())
+	b.Landed = landed
+	if err := s.t.BatchRead(ctx, session, &b); err != nil {
+		return err
 	}
 	short, missing := 0, uint64(0)
 	first := -1
