@@ -31,7 +31,10 @@ type Options struct {
 	Local     [][]byte
 }
 type Op struct{ Local, Remote, Len uint64 }
-type Stride struct{ Row, Pitch uint64 }
+type Stride struct {
+	Row, Pitch uint64
+	Gather     bool
+}
 type Reader struct{}
 
 func Open(Claim, Options) (*Reader, error)               { return nil, ErrUnsupported }

@@ -69,8 +69,15 @@ type Options struct {
 type Op struct{ Local, Remote, Len uint64 }
 
 // Stride, when Row > 0, lays each op's bytes out in rows of Row bytes,
-// Pitch apart from Local on (the fused head transpose).
-type Stride struct{ Row, Pitch uint64 }
+// Pitch apart from Local on (the fused head transpose). With Gather the
+// rows are Pitch apart on the peer's side instead, from Remote on, and
+// land back to back from Local (a decode TP above the prefill's: one head
+// slice of every token row): byte i of an op comes from Remote +
+// (i/Row)*Pitch + i%Row.
+type Stride struct {
+	Row, Pitch uint64
+	Gather     bool
+}
 
 // Reader maps a same-host peer's cache file read-only and serves batch
 // reads from it as memory copies, each checked against the peer's grant
@@ -296,8 +303,9 @@ type snap struct {
 // plan is one resolved op.
 type plan struct {
 	src, dst      []byte
-	rows          uint64 // 0: one copy; else rows of rowLen bytes, pitch apart in dst
+	rows          uint64 // 0: one copy; else rows of rowLen bytes, pitch apart in dst (src with gather)
 	rowLen, pitch uint64
+	gather        bool
 	b0, b1        int // blocks covered
 }
 
@@ -306,6 +314,12 @@ type plan struct {
 func (p *plan) copy() {
 	if p.rows == 0 {
 		copy(p.dst, p.src)
+		return
+	}
+	if p.gather {
+		for i := range p.rows {
+			copy(p.dst[i*p.rowLen:(i+1)*p.rowLen], p.src[i*p.pitch:i*p.pitch+p.rowLen])
+		}
 		return
 	}
 	for i := range p.rows {
@@ -395,29 +409,33 @@ func (r *Reader) resolve(op Op, s Stride) (plan, error) {
 	if op.Len == 0 {
 		return plan{}, fmt.Errorf("%w: empty op", ErrRange)
 	}
-	rs := find(r.remote, op.Remote, op.Len)
-	if rs == nil {
-		return plan{}, fmt.Errorf("%w: remote [%#x, +%d) is not inside one of the peer's caches", ErrRange, op.Remote, op.Len)
-	}
-	off := op.Remote - rs.addr
-	p := plan{b0: int(off / rs.bl), b1: int((off + op.Len - 1) / rs.bl)}
-	start := uint64(rs.off) + off
-	p.src = r.data[start : start+op.Len : start+op.Len]
-	n := op.Len
+	p := plan{rowLen: s.Row, pitch: s.Pitch, gather: s.Gather && s.Row > 0}
+	rn, ln := op.Len, op.Len // spans on each side
 	if s.Row > 0 {
 		if op.Len%s.Row != 0 {
 			return plan{}, fmt.Errorf("%w: %d bytes are not rows of %d", ErrRange, op.Len, s.Row)
 		}
 		p.rows = op.Len / s.Row
-		n = (p.rows-1)*s.Pitch + s.Row
+		if p.gather {
+			rn = (p.rows-1)*s.Pitch + s.Row
+		} else {
+			ln = (p.rows-1)*s.Pitch + s.Row
+		}
 	}
-	ls := find(r.local, op.Local, n)
+	rs := find(r.remote, op.Remote, rn)
+	if rs == nil {
+		return plan{}, fmt.Errorf("%w: remote [%#x, +%d) is not inside one of the peer's caches", ErrRange, op.Remote, rn)
+	}
+	off := op.Remote - rs.addr
+	p.b0, p.b1 = int(off/rs.bl), int((off+rn-1)/rs.bl)
+	start := uint64(rs.off) + off
+	p.src = r.data[start : start+rn : start+rn]
+	ls := find(r.local, op.Local, ln)
 	if ls == nil {
-		return plan{}, fmt.Errorf("%w: local [%#x, +%d) is not inside this process's cache memory", ErrRange, op.Local, n)
+		return plan{}, fmt.Errorf("%w: local [%#x, +%d) is not inside this process's cache memory", ErrRange, op.Local, ln)
 	}
 	lo := op.Local - ls.addr
-	p.dst = ls.mem[lo : lo+n : lo+n]
-	p.rowLen, p.pitch = s.Row, s.Pitch
+	p.dst = ls.mem[lo : lo+ln : lo+ln]
 	return p, nil
 }
 

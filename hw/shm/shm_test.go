@@ -425,3 +425,53 @@ func must(t testing.TB, err error) {
 		t.Fatal(err)
 	}
 }
+
+// TestReadGather: a decode rank with half a prefill rank's heads reads one
+// head slice of every token row (rows strided on the peer's side): every
+// byte equals a row-by-row reference.
+func TestReadGather(t *testing.T) {
+	dir := t.TempDir()
+	const split = 2
+	p := newPrefill(t, dir, testShape, 3)
+	dshape := testShape
+	dshape.NumKVHeads /= split
+	d := decodeMem(t, dshape)
+	src, dst := []int{5, 6}, []int{1, 2}
+	must(t, p.table.Grant(src))
+	rowRemote := uint64(testShape.NumKVHeads * testShape.HeadDim * testShape.DType.Size())
+	row := rowRemote / split
+	const slice = 1 // the second half of each row
+	var ops []Op
+	for k, rb := range p.host.BaseAddrs() {
+		_, part := d.Layout().CacheOf(k)
+		rbl, lbl := uint64(p.host.Layout().BlockLen(part)), uint64(d.Layout().BlockLen(part))
+		ops = append(ops, Op{Local: d.BaseAddrs()[k] + uint64(dst[0])*lbl, Remote: rb + uint64(src[0])*rbl + slice*row, Len: uint64(len(src)) * lbl})
+	}
+	r := open(t, p, d)
+	must(t, r.Read(t.Context(), ops, Stride{Row: row, Pitch: rowRemote, Gather: true}))
+	l := d.Layout()
+	for k := range l.NumCaches() {
+		layer, part := l.CacheOf(k)
+		for i, b := range dst {
+			got, from := d.Block(layer, part, b), p.host.Block(layer, part, src[i])
+			for tok := range testShape.BlockSize {
+				want := from[uint64(tok)*rowRemote+slice*row : uint64(tok)*rowRemote+(slice+1)*row]
+				if !bytes.Equal(got[uint64(tok)*row:uint64(tok+1)*row], want) {
+					t.Fatalf("cache %d block %d token %d differs", k, b, tok)
+				}
+			}
+		}
+		for b := range l.Shape().NumBlocks {
+			if b != dst[0] && b != dst[1] && !bytes.Equal(d.Block(layer, part, b), make([]byte, l.BlockLen(part))) {
+				t.Fatalf("cache %d block %d written", k, b)
+			}
+		}
+	}
+	// A gather whose last row would leave the peer's cache is refused.
+	last := p.host.BaseAddrs()[len(p.host.BaseAddrs())-1]
+	_, part := l.CacheOf(l.NumCaches() - 1)
+	end := last + uint64(p.host.Layout().CacheLen(part))
+	if err := r.Read(t.Context(), []Op{{Local: d.BaseAddrs()[0], Remote: end - rowRemote, Len: 2 * row}}, Stride{Row: row, Pitch: rowRemote, Gather: true}); !errors.Is(err, ErrRange) {
+		t.Fatalf("gather past the end: %v", err)
+	}
+}
