@@ -61,7 +61,7 @@ type Summary struct {
 	// (kvflow_shm_fallbacks_total); all 0 with tcp.
 	ShmBatches, NetBatches, ShmFallbacks float64
 	Stages                               []StageLatency
-	Failures               []string
+	Failures                             []string
 }
 
 // StageLatency is one stage's p50/p99 from the decode workers' histograms.
