@@ -112,15 +112,21 @@ func checkBytes(t *testing.T, c *cluster, id string, local, remote []int) {
 // kept their connections to the old process and the retry failed too.
 func TestPrefillRestartBetweenRequests(t *testing.T) {
 	for _, tc := range []struct {
-		name               string
-		grants, sameTEPort bool
+		name                    string
+		grants, sameTEPort, shm bool
 	}{
-		{"grants-off", false, false},
-		{"grants-on", true, false},
-		{"same-te-port", false, true},
+		{"grants-off", false, false, false},
+		{"grants-on", true, false, false},
+		{"same-te-port", false, true, false},
+		// te_backend shm: the restarted prefill takes its cache file and
+		// grant table over in place (same inodes, a new epoch); the
+		// decode's read through the old claim fails (owner gone), the
+		// re-fetch brings the new claim, the retry reads over shm.
+		{"shm", false, false, true},
+		{"shm-grants-on", true, false, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), grants: tc.grants})
+			c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), grants: tc.grants, shm: tc.shm})
 			if r := pull(t, c, c.prefill[0], "before", []int{1, 2}, []int{3, 4}, true); r.Err != nil {
 				t.Fatalf("request before the restart: %v", r.Err)
 			}
@@ -157,6 +163,13 @@ func TestPrefillRestartBetweenRequests(t *testing.T) {
 			t.Logf("next request: done in %v", r.Latency)
 			if n := counter(t, reg, "kvflow_read_retries_total", nil); n != 1 {
 				t.Errorf("%v retries in all, want 1", n)
+			}
+			if tc.shm {
+				viaShm := counter(t, reg, "kvflow_shm_batches_total", map[string]string{"path": "shm"})
+				viaNet := counter(t, reg, "kvflow_shm_batches_total", map[string]string{"path": "network"})
+				if viaShm != 4 || viaNet != 0 { // before, after (failed, retried), next
+					t.Errorf("%v batches over shm, %v over the network; want 4 and 0", viaShm, viaNet)
+				}
 			}
 		})
 	}
