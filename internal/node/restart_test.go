@@ -183,9 +183,19 @@ func TestPrefillRestartBetweenRequests(t *testing.T) {
 //     process refuses blocks it does not hold;
 //   - the new process booted after the request's admission (its boot
 //     epoch says so): the decode refuses to re-read at all, grants or not.
+//
+// With te_backend shm the restarted process takes the cache file over in
+// place, contents kept: the old request's bytes are still there, and the
+// grant table (reset with the new epoch) is what refuses them.
 func TestPrefillRestartLosesHeldRequest(t *testing.T) {
+	for _, shm := range []bool{false, true} {
+		t.Run(map[bool]string{false: "tcp", true: "shm"}[shm], func(t *testing.T) { testPrefillRestartLosesHeldRequest(t, shm) })
+	}
+}
+
+func testPrefillRestartLosesHeldRequest(t *testing.T, shm bool) {
 	t.Run("grants refuse the re-read", func(t *testing.T) {
-		c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), grants: true})
+		c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), grants: true, shm: shm})
 		if r := pull(t, c, c.prefill[0], "warm", []int{1}, []int{1}, true); r.Err != nil {
 			t.Fatal(r.Err)
 		}
@@ -201,7 +211,7 @@ func TestPrefillRestartLosesHeldRequest(t *testing.T) {
 		t.Logf("failed: %v", r.Err)
 	})
 	t.Run("booted after admission", func(t *testing.T) {
-		c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2)})
+		c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), shm: shm})
 		if r := pull(t, c, c.prefill[0], "warm", []int{1}, []int{1}, true); r.Err != nil {
 			t.Fatal(r.Err)
 		}
