@@ -138,11 +138,28 @@ func (s *sameHost) offer(endpoint string, m sidechannel.Metadata) {
 	p := &shmPeer{claim: *c, base: m.KVCachesBaseAddr}
 	p.r = s.open(session, c, m.KVCachesBaseAddr)
 	s.mu.Lock()
-	old = s.peers[session]
+	stale := []*shmPeer{s.peers[session]}
 	s.peers[session] = p
+	// The same file under another session is the same prefill rank's
+	// earlier run (restarted on another port): its reader is dead weight.
+	// Past maxShmPeers, drop others too (they are re-opened from the next
+	// GET_META reply that names them).
+	for k, q := range s.peers {
+		if k != session && (q.claim.Path == c.Path && q.claim.HostID == c.HostID || len(s.peers) > maxShmPeers) {
+			delete(s.peers, k)
+			stale = append(stale, q)
+		}
+	}
 	s.mu.Unlock()
-	closeReader(old)
+	for _, q := range stale {
+		closeReader(q)
+	}
 }
+
+// maxShmPeers bounds the sessions sameHost remembers: far above the prefill
+// ranks one decode rank reads from (at most a few hundred), so only churn
+// (peers restarting on new ports) ever reaches it.
+const maxShmPeers = 1024
 
 // open opens a claim, or counts and logs why it cannot be used (nil).
 func (s *sameHost) open(session string, c *sidechannel.SameHost, base []uint64) *shm.Reader {
