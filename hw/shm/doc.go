@@ -1,8 +1,9 @@
 // Package shm is the same-host transfer path (node.te_backend: shm): a
 // decode worker on the same host as a prefill worker maps the prefill's
 // cache file (npu.CreateShm's) read-only and reads blocks as memory copies,
-// with no network, no server and no system call per read, the head
-// transpose of tp_num_need_pulls > 1 fused into the copy (Stride).
+// with no network and no server (one poll(2) of the owner's pidfd per
+// batch), the head transpose of tp_num_need_pulls > 1 fused into the copy
+// and head slices gathered (Stride).
 //
 // # The claim
 //
@@ -73,6 +74,9 @@
 //     file that is not one.
 //   - Never write outside the local memory given at Open (Options.Local) or
 //     read outside the peer's caches.
-//   - Never start goroutines; never block (a read is copies and atomic
-//     loads).
+//   - Never start goroutines; never block (a read is copies, atomic loads
+//     and a non-blocking poll).
+//   - Never trust a claim's fields, or the grant table's contents, to size
+//     or place a copy: ops are resolved against the layout of the header
+//     this process read and checked, and the memory it was given.
 package shm
