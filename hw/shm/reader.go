@@ -5,6 +5,7 @@ package shm
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -228,14 +229,20 @@ func (r *Reader) openTable(c Claim) error {
 	if st.Size() != size {
 		return fmt.Errorf("%w: grant table %s is %d bytes, want %d", ErrMismatch, c.Grants, st.Size(), size)
 	}
+	// Its header is read before anything is mapped.
+	head := make([]byte, tableHeader)
+	if _, err := f.ReadAt(head, 0); err != nil {
+		return fmt.Errorf("%w: grant table %s: %w", ErrMismatch, c.Grants, err)
+	}
+	le := binary.LittleEndian
+	if string(head[:8]) != tableMagic || le.Uint32(head[8:]) != tableVersion || le.Uint64(head[offNumBlocks:]) != uint64(r.nblocks) {
+		return fmt.Errorf("%w: %s is not a grant table for %d blocks", ErrMismatch, c.Grants, r.nblocks)
+	}
 	mem, err := syscall.Mmap(int(f.Fd()), 0, int(size), syscall.PROT_READ, syscall.MAP_SHARED)
 	if err != nil {
 		return fmt.Errorf("shm: mmap grant table %s: %w", c.Grants, err)
 	}
 	r.table = mem
-	if string(mem[:8]) != tableMagic || word(mem, 8).Load()&0xffffffff != tableVersion || word(mem, offNumBlocks).Load() != uint64(r.nblocks) {
-		return fmt.Errorf("%w: %s is not a grant table for %d blocks", ErrMismatch, c.Grants, r.nblocks)
-	}
 	if e := word(mem, offEpoch).Load(); c.Epoch == 0 || e != c.Epoch {
 		return fmt.Errorf("%w: grant table epoch %#x, claim's %#x", ErrOwnerGone, e, c.Epoch)
 	}

@@ -262,6 +262,10 @@ func TestOpenRefusesMismatch(t *testing.T) {
 			c.Grants, c.GrantsDev, c.GrantsIno = other.claim.Grants, other.claim.GrantsDev, other.claim.GrantsIno
 		}, nil, ErrOwnerGone},
 		{"table inode", func(c *Claim, _ *Options) { c.GrantsIno++ }, nil, ErrMismatch},
+		{"table is the cache file", func(c *Claim, _ *Options) { c.Grants, c.GrantsDev, c.GrantsIno = c.Path, c.Dev, c.Ino }, nil, ErrMismatch},
+		{"table of another size", func(c *Claim, _ *Options) {
+			c.Grants, c.GrantsDev, c.GrantsIno = filepath.Join(dir, "foreign"), 0, 0
+		}, nil, ErrMismatch},
 		{"old epoch", func(c *Claim, _ *Options) { c.Epoch++ }, nil, ErrOwnerGone},
 		{"zero epoch", func(c *Claim, _ *Options) { c.Epoch = 0 }, nil, ErrOwnerGone},
 		{"base addresses short", func(_ *Claim, o *Options) { o.BaseAddrs = base[:1] }, nil, ErrMismatch},
