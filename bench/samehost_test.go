@@ -195,7 +195,7 @@ func BenchmarkSameHost(b *testing.B) {
 			copyAll()
 			want := bytes.Clone(dst.Data())
 			clear(dst.Data())
-			if err := r.Read(ctx, ops, stride); err != nil {
+			if err := r.Read(ctx, "", ops, stride); err != nil {
 				b.Fatal(err)
 			}
 			if !bytes.Equal(dst.Data(), want) {
@@ -229,7 +229,7 @@ func BenchmarkSameHost(b *testing.B) {
 					b.StartTimer()
 				}
 				t0 := time.Now()
-				if err := r.Read(ctx, ops, stride); err != nil {
+				if err := r.Read(ctx, "", ops, stride); err != nil {
 					b.Fatal(err)
 				}
 				s := time.Since(t0)

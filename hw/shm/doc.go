@@ -34,6 +34,11 @@
 //     before the prefill reports the request finished to its engine (the
 //     only point from which the engine may reuse the block); a GrantAll
 //     word does the same for "every block";
+//   - one slot per held request (GrantRequest/RevokeRequest, what the
+//     prefill worker uses for a send that names its blocks): key = 8 bytes
+//     of SHA-256 of the request id, word = generation<<32 | count as
+//     above, in an open-addressing table whose keys stay put, so a reader
+//     finds a request without a lock;
 //   - an epoch word (random, not 0) for the owner's run: CreateTable
 //     takes an existing table over in place (never unlink and recreate, so
 //     a reader never keeps a stale copy): epoch 0 first, then every word
@@ -41,23 +46,33 @@
 //   - the owner's pid and start time: Open takes a pidfd on the owner and
 //     checks it is the process that wrote the table.
 //
-// A Read loads, before each op's copy, the epoch (must be the claim's) and
-// the words of the blocks the op covers (each must be granted); copies;
-// then, after the last copy and a fence, checks that no word it loaded
-// changed generation, that the epoch is the same, and that the owner is
-// alive (pidfd). If all hold, every block was granted during the whole
-// copy, so its engine cannot have reused it; otherwise the batch fails
+// A Read names its request (read.Batch.Request: the id DONE carries). It
+// loads that request's slot (it must be held; with no slot, only a
+// GrantAll lets it through), and before each op's copy the epoch (must be
+// the claim's) and the words of the blocks the op covers (each must be
+// granted); copies; then, after the last copy and a fence, checks that
+// the request's slot and every block word kept their generation, that the
+// epoch is the same, and that the owner is alive (pidfd). If all hold,
+// the request was held during the whole copy, so its engine cannot have
+// freed, let alone reused, its blocks; otherwise the batch fails
 // (ErrNotGranted, ErrOwnerGone) and the bytes it wrote are not trusted.
+// A request freed before the read's first look fails too, even when its
+// blocks were already granted to another request: its own slot says so.
 // A prefill restart changes the epoch (and the pid), so a read from a
 // claim of the previous run always fails, and the decode re-fetches the
 // metadata and re-opens.
 //
-// What this does not see (nor does the TCP engine's grant check): a block
-// freed before the read's first look (the prefill aborted or force-freed
-// the request) and already granted again to another request. That read
-// starts after the prefill's abort timeout or lease, which the read
-// stage's stale-read guard refuses; a per-request record in the table
-// would close it and is left for later.
+// Why a table and not a server: no round trip, no socket, no thread on
+// the prefill side per read; the price is that a revoke cannot wait for a
+// copy in flight (the TCP engine's can), so the reader detects an
+// overlapping free afterwards and fails the batch instead.
+//
+// What this does not cover: a send without block ids (read.grants auto
+// opens every block with GrantAll, as the TCP engine does; a request with
+// no slot is then read on the blocks' words alone, which cannot tell one
+// request from another), read.grants off (every block granted for good),
+// and two request ids whose SHA-256 share 8 bytes. With every slot held
+// (4096 or twice the blocks, whichever is more) a send is refused.
 //
 // A truncated file cannot crash the reader: copies run with
 // debug.SetPanicOnFault and a fault fails the batch (ErrFault).
@@ -67,9 +82,9 @@
 //   - Never map a file whose device, inode, size or header differs from the
 //     claim, never follow a symbolic link, never open the cache file for
 //     writing: the reader's mapping is PROT_READ.
-//   - Never return a batch as good unless every block it read was granted
-//     from before its copy to after it, in the claimed epoch, with the
-//     owner alive.
+//   - Never return a batch as good unless its request (when named) and
+//     every block it read were granted from before its copy to after it,
+//     in the claimed epoch, with the owner alive.
 //   - Never unlink or replace a grant table in use; CreateTable refuses a
 //     file that is not one.
 //   - Never write outside the local memory given at Open (Options.Local) or

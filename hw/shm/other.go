@@ -15,15 +15,17 @@ type Table struct{}
 // CreateTable is not supported off Linux.
 func CreateTable(string, int, os.FileMode) (*Table, error) { return nil, ErrUnsupported }
 
-func (*Table) Path() string                   { return "" }
-func (*Table) Epoch() uint64                  { return 0 }
-func (*Table) Identity() (uint64, uint64)     { return 0, 0 }
-func (*Table) Grant([]int) error              { return ErrUnsupported }
-func (*Table) Revoke([]int) error             { return ErrUnsupported }
-func (*Table) GrantAll() error                { return ErrUnsupported }
-func (*Table) RevokeAll() error               { return ErrUnsupported }
-func (*Table) Close(bool) error               { return nil }
-func MakeClaim(string, *Table) (Claim, error) { return Claim{}, ErrUnsupported }
+func (*Table) Path() string                      { return "" }
+func (*Table) Epoch() uint64                     { return 0 }
+func (*Table) Identity() (uint64, uint64)        { return 0, 0 }
+func (*Table) Grant([]int) error                 { return ErrUnsupported }
+func (*Table) Revoke([]int) error                { return ErrUnsupported }
+func (*Table) GrantAll() error                   { return ErrUnsupported }
+func (*Table) RevokeAll() error                  { return ErrUnsupported }
+func (*Table) GrantRequest(string, []int) error  { return ErrUnsupported }
+func (*Table) RevokeRequest(string, []int) error { return ErrUnsupported }
+func (*Table) Close(bool) error                  { return nil }
+func MakeClaim(string, *Table) (Claim, error)    { return Claim{}, ErrUnsupported }
 
 type Options struct {
 	HostID    string

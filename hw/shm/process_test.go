@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/kvflow/kvflow/hw/npu"
@@ -36,10 +37,11 @@ type childHello struct {
 var childBlocks = []int{0, 1, 2, 3}
 
 // childPrefill owns a cache file and grant table in dir, filled with
-// pattern(seed), blocks childBlocks granted. On stdin: "reuse" frees the
-// blocks, rewrites the cache with pattern(seed+100) and grants them again
-// (another request in the same blocks); "exit" exits at once, without
-// closing anything (as a crash would).
+// pattern(seed), blocks childBlocks granted to request "A". On stdin:
+// "reuse FROM TO SEED" frees the blocks (revokes request FROM), rewrites
+// the cache with pattern(SEED) and grants the blocks to request TO
+// (another request in the same blocks), then answers "ok"; "exit" exits
+// at once, without closing anything (as a crash would).
 func childPrefill(dir string) int {
 	seed, _ := strconv.Atoi(os.Getenv(childEnv + "_SEED"))
 	fail := func(err error) int { fmt.Fprintln(os.Stderr, "child:", err); return 1 }
@@ -61,7 +63,7 @@ func childPrefill(dir string) int {
 	if err != nil {
 		return fail(err)
 	}
-	if err := tb.Grant(childBlocks); err != nil {
+	if err := tb.GrantRequest("A", childBlocks); err != nil {
 		return fail(err)
 	}
 	if err := json.NewEncoder(os.Stdout).Encode(childHello{c, h.BaseAddrs()}); err != nil {
@@ -69,17 +71,19 @@ func childPrefill(dir string) int {
 	}
 	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
-		switch in.Text() {
-		case "reuse":
-			if err := tb.Revoke(childBlocks); err != nil {
+		f := strings.Fields(in.Text())
+		switch {
+		case len(f) == 4 && f[0] == "reuse":
+			if err := tb.RevokeRequest(f[1], childBlocks); err != nil {
 				return fail(err)
 			}
-			fill(h.Data(), seed+100)
-			if err := tb.Grant(childBlocks); err != nil {
+			s, _ := strconv.Atoi(f[3])
+			fill(h.Data(), s)
+			if err := tb.GrantRequest(f[2], childBlocks); err != nil {
 				return fail(err)
 			}
 			fmt.Println("ok")
-		case "exit":
+		case len(f) == 1 && f[0] == "exit":
 			return 0
 		}
 	}
@@ -171,32 +175,59 @@ func TestCrossProcessGrants(t *testing.T) {
 	must(t, err)
 	defer r.Close()
 	ops := remoteOps(c1.hello.Base, d)
-	must(t, r.Read(t.Context(), ops, Stride{}))
+	read := func(req string) error { return r.Read(t.Context(), req, ops, Stride{}) }
+	reuse := func(cmd string) {
+		c1.say(t, cmd)
+		if line, err := c1.out.ReadString('\n'); err != nil || line != "ok\n" {
+			t.Errorf("child: %q %v", line, err)
+		}
+	}
+	must(t, read("A"))
 	checkSeed(t, d, 1)
+	if err := read("B"); !errors.Is(err, ErrNotGranted) {
+		t.Fatalf("read as a request never sent: %v", err)
+	}
 
-	// Freed and reused by the other process during the copy: refused.
+	// "A" freed and its blocks reused for "B" by the other process while
+	// the copy runs: refused.
 	n := 0
 	r.testAfterCopy = func() {
 		if n++; n == 1 {
-			c1.say(t, "reuse")
-			if line, err := c1.out.ReadString('\n'); err != nil || line != "ok\n" {
-				t.Errorf("child: %q %v", line, err)
-			}
+			reuse("reuse A B 101")
 		}
 	}
-	if err := r.Read(t.Context(), ops, Stride{}); !errors.Is(err, ErrNotGranted) {
-		t.Fatalf("read across a reuse: %v", err)
+	if err := read("A"); !errors.Is(err, ErrNotGranted) {
+		t.Fatalf("read of A across its reuse: %v", err)
 	}
 	r.testAfterCopy = nil
-	// Granted again (to the request now in them): read, and it is the
-	// new request's data.
-	must(t, r.Read(t.Context(), ops, Stride{}))
+	// Freed before the read starts, the blocks already granted to "B":
+	// never read as A's.
+	if err := read("A"); !errors.Is(err, ErrNotGranted) {
+		t.Fatalf("read of a freed request's reused blocks: %v", err)
+	}
+	// Read as "B": B's data.
+	must(t, read("B"))
 	checkSeed(t, d, 101)
+
+	// Without a request id, the blocks' generations alone catch a reuse
+	// during the copy.
+	n = 0
+	r.testAfterCopy = func() {
+		if n++; n == 1 {
+			reuse("reuse B C 102")
+		}
+	}
+	if err := read(""); !errors.Is(err, ErrNotGranted) {
+		t.Fatalf("block-only read across a reuse: %v", err)
+	}
+	r.testAfterCopy = nil
+	must(t, read("C"))
+	checkSeed(t, d, 102)
 
 	// The owner exits (no Close: its table still says granted).
 	c1.say(t, "exit")
 	must(t, c1.cmd.Wait())
-	if err := r.Read(t.Context(), ops, Stride{}); !errors.Is(err, ErrOwnerGone) {
+	if err := r.Read(t.Context(), "", ops, Stride{}); !errors.Is(err, ErrOwnerGone) {
 		t.Fatalf("read after the owner exited: %v", err)
 	}
 	if _, err := Open(c1.hello.Claim, Options{BaseAddrs: c1.hello.Base, Local: caches(d)}); !errors.Is(err, ErrOwnerGone) {
@@ -208,7 +239,7 @@ func TestCrossProcessGrants(t *testing.T) {
 	if c2.hello.Claim.Ino != c1.hello.Claim.Ino || c2.hello.Claim.GrantsIno != c1.hello.Claim.GrantsIno {
 		t.Fatalf("restart did not reuse the files in place: %+v vs %+v", c2.hello.Claim, c1.hello.Claim)
 	}
-	if err := r.Read(t.Context(), ops, Stride{}); !errors.Is(err, ErrOwnerGone) {
+	if err := r.Read(t.Context(), "", ops, Stride{}); !errors.Is(err, ErrOwnerGone) {
 		t.Fatalf("old claim after a restart: %v", err)
 	}
 	if _, err := Open(c1.hello.Claim, Options{BaseAddrs: c1.hello.Base, Local: caches(d)}); !errors.Is(err, ErrOwnerGone) {
@@ -217,7 +248,7 @@ func TestCrossProcessGrants(t *testing.T) {
 	r2, err := Open(c2.hello.Claim, Options{BaseAddrs: c2.hello.Base, Local: caches(d)})
 	must(t, err)
 	defer r2.Close()
-	must(t, r2.Read(t.Context(), remoteOps(c2.hello.Base, d), Stride{}))
+	must(t, r2.Read(t.Context(), "", remoteOps(c2.hello.Base, d), Stride{}))
 	checkSeed(t, d, 2)
 	c2.say(t, "exit")
 }

@@ -90,6 +90,7 @@ type Reader struct {
 	cache   []byte // the whole cache mapping
 	table   []byte // the grant table, mapped read-only
 	nblocks int
+	slots   int // request slots of the table
 	epoch   uint64
 	pidfd   int
 	remote  []span // the peer's caches by address
@@ -153,7 +154,8 @@ func Open(c Claim, opts Options) (*Reader, error) {
 		return nil, fmt.Errorf("%w: %d base addresses for a file of %d caches", ErrMismatch, len(opts.BaseAddrs), l.NumCaches())
 	}
 	r := &Reader{layout: l, nblocks: l.Shape().NumBlocks, epoch: c.Epoch, pidfd: -1}
-	if err := r.openTable(c); err != nil {
+	if err := r.openTableSafe(c); err != nil {
+		r.release()
 		return nil, err
 	}
 	ok := false
@@ -217,6 +219,23 @@ func openChecked(path string, dev, ino uint64) (*os.File, os.FileInfo, error) {
 	return f, st, nil
 }
 
+// openTableSafe is openTable with a fault in the mapping (the table
+// truncated under it by a restarting owner of another size) an error.
+func (r *Reader) openTableSafe(c Claim) (err error) {
+	old := debug.SetPanicOnFault(true)
+	defer func() {
+		debug.SetPanicOnFault(old)
+		if p := recover(); p != nil {
+			if _, ok := p.(interface{ Addr() uintptr }); ok {
+				err = fmt.Errorf("%w: grant table %s faulted while opening (truncated?)", ErrOwnerGone, c.Grants)
+				return
+			}
+			panic(p)
+		}
+	}()
+	return r.openTable(c)
+}
+
 // openTable maps the claim's grant table read-only, checks it, and opens
 // a pidfd on its owner, checked to be the process that wrote the table.
 func (r *Reader) openTable(c Claim) error {
@@ -225,10 +244,6 @@ func (r *Reader) openTable(c Claim) error {
 		return err
 	}
 	defer f.Close()
-	size := tableSize(r.nblocks)
-	if st.Size() != size {
-		return fmt.Errorf("%w: grant table %s is %d bytes, want %d", ErrMismatch, c.Grants, st.Size(), size)
-	}
 	// Its header is read before anything is mapped.
 	head := make([]byte, tableHeader)
 	if _, err := f.ReadAt(head, 0); err != nil {
@@ -237,6 +252,15 @@ func (r *Reader) openTable(c Claim) error {
 	le := binary.LittleEndian
 	if string(head[:8]) != tableMagic || le.Uint32(head[8:]) != tableVersion || le.Uint64(head[offNumBlocks:]) != uint64(r.nblocks) {
 		return fmt.Errorf("%w: %s is not a grant table for %d blocks", ErrMismatch, c.Grants, r.nblocks)
+	}
+	slots := le.Uint64(head[offSlots:])
+	if slots != uint64(numSlots(r.nblocks)) {
+		return fmt.Errorf("%w: grant table %s has %d request slots, want %d", ErrMismatch, c.Grants, slots, numSlots(r.nblocks))
+	}
+	r.slots = int(slots)
+	size := tableSize(r.nblocks, r.slots)
+	if st.Size() != size {
+		return fmt.Errorf("%w: grant table %s is %d bytes, want %d", ErrMismatch, c.Grants, st.Size(), size)
 	}
 	mem, err := syscall.Mmap(int(f.Fd()), 0, int(size), syscall.PROT_READ, syscall.MAP_SHARED)
 	if err != nil {
@@ -338,10 +362,15 @@ func (p *plan) copy() {
 // (nothing is copied if any is out of range), then each is copied if
 // its blocks are granted, and the batch fails unless, after the last
 // copy, the owner is alive in the same run and no block read changed its
-// grant generation. With s.Row > 0 each op's bytes land in rows of s.Row
-// bytes, s.Pitch apart. A failed batch may have written any of its local
-// ranges.
-func (r *Reader) Read(ctx context.Context, ops []Op, s Stride) (err error) {
+// grant generation. With req (the request's id, as the prefill's send
+// named it) the request itself must have been granted by GrantRequest
+// before the first copy and still be, with the same generation, after the
+// last (or, without a record of it, every block granted by GrantAll): a
+// block freed and re-granted to another request is never read as req's.
+// With s.Row > 0 each op's bytes land in rows of s.Row bytes, s.Pitch
+// apart (or, with s.Gather, come from such rows). A failed batch may have
+// written any of its local ranges.
+func (r *Reader) Read(ctx context.Context, req string, ops []Op, s Stride) (err error) {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
 	if r.closed {
@@ -359,9 +388,8 @@ func (r *Reader) Read(ctx context.Context, ops []Op, s Stride) (err error) {
 			return fmt.Errorf("shm: op %d: %w", i, err)
 		}
 	}
-	snaps := make([]snap, 0, 2*len(ops)+1)
+	snaps := make([]snap, 0, 2*len(ops)+2)
 	all := word(r.table, offAll)
-	allW := all.Load()
 	old := debug.SetPanicOnFault(true)
 	defer func() {
 		debug.SetPanicOnFault(old)
@@ -373,6 +401,22 @@ func (r *Reader) Read(ctx context.Context, ops []Op, s Stride) (err error) {
 			panic(p)
 		}
 	}()
+	allW := all.Load()
+	if req != "" {
+		key := requestKey(req)
+		off, ok := r.findSlot(key)
+		switch {
+		case ok:
+			w := word(r.table, off+8).Load()
+			if uint32(w) == 0 {
+				return fmt.Errorf("%w: request %q freed", ErrNotGranted, req)
+			}
+			snaps = append(snaps, snap{off, key}, snap{off + 8, w})
+		case uint32(allW) == 0:
+			return fmt.Errorf("%w: request %q not held", ErrNotGranted, req)
+		}
+	}
+	nreq := len(snaps)
 	for i := range plans {
 		if i > 0 && ctx.Err() != nil {
 			return fmt.Errorf("shm: read canceled after %d of %d ops: %w", i, len(plans), ctx.Err())
@@ -394,7 +438,15 @@ func (r *Reader) Read(ctx context.Context, ops []Op, s Stride) (err error) {
 		}
 	}
 	fence()
-	for _, sn := range snaps {
+	if nreq > 0 {
+		if k := word(r.table, snaps[0].off).Load(); k != snaps[0].w {
+			return fmt.Errorf("%w: request %q freed during or before the read (its slot reused)", ErrNotGranted, req)
+		}
+		if w := word(r.table, snaps[1].off).Load(); w>>32 != snaps[1].w>>32 {
+			return fmt.Errorf("%w: request %q freed during the read", ErrNotGranted, req)
+		}
+	}
+	for _, sn := range snaps[nreq:] {
 		if w := word(r.table, sn.off).Load(); w>>32 != sn.w>>32 {
 			return fmt.Errorf("%w: block %d freed during or before the read (generation %d → %d)", ErrNotGranted, (sn.off-tableHeader)/8, sn.w>>32, w>>32)
 		}
@@ -409,6 +461,21 @@ func (r *Reader) Read(ctx context.Context, ops []Op, s Stride) (err error) {
 		return fmt.Errorf("%w: owner exited", ErrOwnerGone)
 	}
 	return nil
+}
+
+// findSlot is the offset of key's request slot, probing as Table.slot.
+func (r *Reader) findSlot(key uint64) (int, bool) {
+	mask := r.slots - 1
+	for n, i := 0, int(key)&mask; n < r.slots; n, i = n+1, (i+1)&mask {
+		off := slotOff(r.nblocks, i)
+		switch word(r.table, off).Load() {
+		case key:
+			return off, true
+		case 0:
+			return 0, false
+		}
+	}
+	return 0, false
 }
 
 // resolve checks op against the peer's caches and the local memory.

@@ -164,7 +164,7 @@ func TestReadEveryByte(t *testing.T) {
 			defer p.table.Revoke(tc.src)
 			d := decodeMem(t, testShape)
 			r := open(t, p, d)
-			if err := r.Read(t.Context(), blockOps(p.host, d, tc.src, tc.dst), Stride{}); err != nil {
+			if err := r.Read(t.Context(), "", blockOps(p.host, d, tc.src, tc.dst), Stride{}); err != nil {
 				t.Fatal(err)
 			}
 			checkBlocks(t, p.host, d, tc.src, tc.dst)
@@ -209,10 +209,10 @@ func TestReadStrided(t *testing.T) {
 			}
 		}
 		rf, rr := open(t, p, fused), open(t, p, ref)
-		if err := rf.Read(t.Context(), ops, Stride{Row: rowRemote, Pitch: P * rowRemote}); err != nil {
+		if err := rf.Read(t.Context(), "", ops, Stride{Row: rowRemote, Pitch: P * rowRemote}); err != nil {
 			t.Fatal(err)
 		}
-		if err := rr.Read(t.Context(), refOps, Stride{}); err != nil {
+		if err := rr.Read(t.Context(), "", refOps, Stride{}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -307,7 +307,7 @@ func TestGrantChecks(t *testing.T) {
 	r := open(t, p, d)
 	src := []int{1, 2}
 	ops := blockOps(p.host, d, src, src)
-	read := func() error { return r.Read(t.Context(), ops, Stride{}) }
+	read := func() error { return r.Read(t.Context(), "", ops, Stride{}) }
 	if err := read(); !errors.Is(err, ErrNotGranted) {
 		t.Fatalf("ungranted: %v", err)
 	}
@@ -363,7 +363,7 @@ func TestGrantChecks(t *testing.T) {
 		{Local: 8, Remote: ops[0].Remote, Len: 16},
 		{Local: ops[0].Local, Remote: ops[0].Remote, Len: 0},
 	} {
-		if err := r.Read(t.Context(), []Op{op}, Stride{}); !errors.Is(err, ErrRange) {
+		if err := r.Read(t.Context(), "", []Op{op}, Stride{}); !errors.Is(err, ErrRange) {
 			t.Errorf("op %+v: %v", op, err)
 		}
 	}
@@ -382,13 +382,13 @@ func TestGrantChecks(t *testing.T) {
 	r2, err := Open(c, Options{BaseAddrs: p.host.BaseAddrs(), Local: caches(d)})
 	must(t, err)
 	defer r2.Close()
-	must(t, r2.Read(t.Context(), ops, Stride{}))
+	must(t, r2.Read(t.Context(), "", ops, Stride{}))
 	must(t, t2.Close(false))
-	if err := r2.Read(t.Context(), ops, Stride{}); !errors.Is(err, ErrOwnerGone) {
+	if err := r2.Read(t.Context(), "", ops, Stride{}); !errors.Is(err, ErrOwnerGone) {
 		t.Fatalf("after Close: %v", err)
 	}
 	must(t, r2.Close())
-	if err := r2.Read(t.Context(), ops, Stride{}); !errors.Is(err, ErrClosed) {
+	if err := r2.Read(t.Context(), "", ops, Stride{}); !errors.Is(err, ErrClosed) {
 		t.Fatalf("closed reader: %v", err)
 	}
 }
@@ -402,7 +402,7 @@ func TestTruncatedFileFaults(t *testing.T) {
 	r := open(t, p, d)
 	must(t, p.table.Grant([]int{15}))
 	must(t, os.Truncate(p.claim.Path, 4096))
-	if err := r.Read(t.Context(), blockOps(p.host, d, []int{15}, []int{15}), Stride{}); !errors.Is(err, ErrFault) {
+	if err := r.Read(t.Context(), "", blockOps(p.host, d, []int{15}, []int{15}), Stride{}); !errors.Is(err, ErrFault) {
 		t.Fatalf("read of a truncated file: %v", err)
 	}
 }
@@ -452,7 +452,7 @@ func TestReadGather(t *testing.T) {
 		ops = append(ops, Op{Local: d.BaseAddrs()[k] + uint64(dst[0])*lbl, Remote: rb + uint64(src[0])*rbl + slice*row, Len: uint64(len(src)) * lbl})
 	}
 	r := open(t, p, d)
-	must(t, r.Read(t.Context(), ops, Stride{Row: row, Pitch: rowRemote, Gather: true}))
+	must(t, r.Read(t.Context(), "", ops, Stride{Row: row, Pitch: rowRemote, Gather: true}))
 	l := d.Layout()
 	for k := range l.NumCaches() {
 		layer, part := l.CacheOf(k)
@@ -475,7 +475,79 @@ func TestReadGather(t *testing.T) {
 	last := p.host.BaseAddrs()[len(p.host.BaseAddrs())-1]
 	_, part := l.CacheOf(l.NumCaches() - 1)
 	end := last + uint64(p.host.Layout().CacheLen(part))
-	if err := r.Read(t.Context(), []Op{{Local: d.BaseAddrs()[0], Remote: end - rowRemote, Len: 2 * row}}, Stride{Row: row, Pitch: rowRemote, Gather: true}); !errors.Is(err, ErrRange) {
+	if err := r.Read(t.Context(), "", []Op{{Local: d.BaseAddrs()[0], Remote: end - rowRemote, Len: 2 * row}}, Stride{Row: row, Pitch: rowRemote, Gather: true}); !errors.Is(err, ErrRange) {
 		t.Fatalf("gather past the end: %v", err)
+	}
+}
+
+// TestRequestGrants: a read that names its request is refused unless that
+// request holds the blocks, so blocks freed and already granted to
+// another request are never read as the first one's; slots of freed
+// requests are reused, and a full table refuses a grant.
+func TestRequestGrants(t *testing.T) {
+	dir := t.TempDir()
+	p := newPrefill(t, dir, testShape, 1)
+	d := decodeMem(t, testShape)
+	r := open(t, p, d)
+	src := []int{4, 5}
+	ops := blockOps(p.host, d, src, src)
+	read := func(req string) error { return r.Read(t.Context(), req, ops, Stride{}) }
+	must(t, p.table.GrantRequest("a", src))
+	must(t, read("a"))
+	checkBlocks(t, p.host, d, src, src)
+	for _, req := range []string{"b", "A", "a "} {
+		if err := read(req); !errors.Is(err, ErrNotGranted) {
+			t.Errorf("read as %q: %v", req, err)
+		}
+	}
+	must(t, p.table.RevokeRequest("a", src))
+	must(t, p.table.GrantRequest("b", src)) // reused by b
+	if err := read("a"); !errors.Is(err, ErrNotGranted) {
+		t.Fatalf("read of freed a's blocks, now b's: %v", err)
+	}
+	must(t, read("b"))
+	if err := p.table.RevokeRequest("a", src); err == nil {
+		t.Error("revoke of a request not held succeeded")
+	}
+	// A second grant of b (counted), one revoke: still held.
+	must(t, p.table.GrantRequest("b", src))
+	must(t, p.table.RevokeRequest("b", src))
+	must(t, read("b"))
+	must(t, p.table.RevokeRequest("b", src))
+	if err := read("b"); !errors.Is(err, ErrNotGranted) {
+		t.Fatalf("read of revoked b: %v", err)
+	}
+	// GrantAll (a send without block ids) opens every block to a
+	// request with no record, not to one that was freed.
+	must(t, p.table.GrantAll())
+	must(t, read("never-sent"))
+	if err := read("b"); !errors.Is(err, ErrNotGranted) {
+		t.Fatalf("freed b under GrantAll: %v", err)
+	}
+	must(t, p.table.RevokeAll())
+
+	// Every slot held: the next grant fails and grants nothing; a freed
+	// slot is taken again.
+	slots := numSlots(testShape.NumBlocks)
+	for i := range slots {
+		must(t, p.table.GrantRequest(fmt.Sprint("r", i), []int{i % testShape.NumBlocks}))
+	}
+	if err := p.table.GrantRequest("one-more", []int{0}); err == nil {
+		t.Fatal("grant with every slot held succeeded")
+	}
+	if err := read("one-more"); !errors.Is(err, ErrNotGranted) {
+		t.Fatalf("read of a request whose grant failed: %v", err)
+	}
+	must(t, p.table.RevokeRequest("r7", []int{7 % testShape.NumBlocks}))
+	must(t, p.table.GrantRequest("one-more", src))
+	must(t, read("one-more"))
+	for i := range slots {
+		if i != 7 {
+			must(t, p.table.RevokeRequest(fmt.Sprint("r", i), []int{i % testShape.NumBlocks}))
+		}
+	}
+	must(t, p.table.RevokeRequest("one-more", src))
+	if err := read("one-more"); !errors.Is(err, ErrNotGranted) {
+		t.Fatalf("after the last revoke: %v", err)
 	}
 }

@@ -4,6 +4,7 @@ package shm
 
 import (
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -29,13 +30,19 @@ import (
 //	 32     8  owner pid
 //	 40     8  owner start time (/proc/<pid>/stat field 22, clock ticks since boot)
 //	 48     8  the GrantAll word
-//	 56     8  reserved, zero
+//	 56     8  request slots S (a power of two)
 //	 64  8·nb  one word per block id
+//	  …  16·S  request slots: key (8), word (8)
 //
 // A word is generation<<32 | count: count is the number of outstanding
-// grants (Grant/GrantAll), generation is bumped each time count drops to 0
-// (the block may be freed and reused from then on). Words are read and
-// written with atomic 64-bit operations only.
+// grants (Grant/GrantAll, or GrantRequest of the slot's request),
+// generation is bumped each time count drops to 0 (the block may be freed
+// and reused from then on). A request slot's key is the first 8 bytes of
+// SHA-256 of the request id (never 0); slots form an open-addressing
+// table probed linearly from key mod S, and a key once written stays until
+// its slot is reused by another request after its count dropped to 0, so
+// probe chains never break. Words and keys are read and written with
+// atomic 64-bit operations only.
 const (
 	tableMagic   = "KVFLOWGT"
 	tableVersion = 1
@@ -46,6 +53,7 @@ const (
 	offPID       = 32
 	offStart     = 40
 	offAll       = 48
+	offSlots     = 56
 )
 
 // Table is the prefill side of the grant table: the owner's view, mapped
@@ -55,8 +63,11 @@ type Table struct {
 	f         *os.File
 	mem       []byte
 	numBlocks int
+	slots     int
 	epoch     uint64
 	dev, ino  uint64
+
+	wmu sync.Mutex // serialises request slot updates
 
 	mu     sync.RWMutex // Close exclusive
 	closed bool
@@ -105,7 +116,8 @@ func CreateTable(path string, numBlocks int, mode os.FileMode) (*Table, error) {
 			return nil, fmt.Errorf("shm: grant table %s: close it to readers: %w", path, err)
 		}
 	}
-	size := tableSize(numBlocks)
+	slots := numSlots(numBlocks)
+	size := tableSize(numBlocks, slots)
 	if st.Size() != size {
 		if err := f.Truncate(size); err != nil {
 			return nil, fmt.Errorf("shm: grant table %s: size it: %w", path, err)
@@ -115,7 +127,7 @@ func CreateTable(path string, numBlocks int, mode os.FileMode) (*Table, error) {
 	if err != nil {
 		return nil, fmt.Errorf("shm: grant table %s: mmap: %w", path, err)
 	}
-	t := &Table{path: path, f: f, mem: mem, numBlocks: numBlocks}
+	t := &Table{path: path, f: f, mem: mem, numBlocks: numBlocks, slots: slots}
 	sys := st.Sys().(*syscall.Stat_t)
 	t.dev, t.ino = uint64(sys.Dev), uint64(sys.Ino)
 	word(mem, offEpoch).Store(0)
@@ -123,7 +135,7 @@ func CreateTable(path string, numBlocks int, mode os.FileMode) (*Table, error) {
 	le := binary.LittleEndian
 	le.PutUint32(mem[8:], tableVersion)
 	le.PutUint32(mem[12:], tableHeader)
-	le.PutUint64(mem[56:], 0)
+	word(mem, offSlots).Store(uint64(slots))
 	word(mem, offNumBlocks).Store(uint64(numBlocks))
 	start, err := procStart(os.Getpid())
 	if err != nil {
@@ -135,6 +147,10 @@ func CreateTable(path string, numBlocks int, mode os.FileMode) (*Table, error) {
 	word(mem, offAll).Store(0)
 	for b := range numBlocks {
 		word(mem, blockOff(b)).Store(0)
+	}
+	for i := range slots {
+		word(mem, slotOff(numBlocks, i)).Store(0)
+		word(mem, slotOff(numBlocks, i)+8).Store(0)
 	}
 	t.epoch = newEpoch()
 	word(mem, offEpoch).Store(t.epoch) // last: the table is open to readers
@@ -153,18 +169,18 @@ func (t *Table) Identity() (dev, ino uint64) { return t.dev, t.ino }
 
 // Grant makes blocks readable (counted: each Grant needs its Revoke).
 // Block ids outside [0, num_blocks) are an error and nothing is granted.
-func (t *Table) Grant(blocks []int) error {
-	return t.each(blocks, func(w *atomic.Uint64) error {
-		for {
-			v := w.Load()
-			if uint32(v) == ^uint32(0) {
-				return errors.New("shm: grant count overflow")
-			}
-			if w.CompareAndSwap(v, v+1) {
-				return nil
-			}
+func (t *Table) Grant(blocks []int) error { return t.each(blocks, grantWord) }
+
+func grantWord(w *atomic.Uint64) error {
+	for {
+		v := w.Load()
+		if uint32(v) == ^uint32(0) {
+			return errors.New("shm: grant count overflow")
 		}
-	})
+		if w.CompareAndSwap(v, v+1) {
+			return nil
+		}
+	}
 }
 
 // Revoke ends one Grant of blocks, at once: a block whose count drops to
@@ -217,11 +233,23 @@ func (t *Table) each(blocks []int, f func(*atomic.Uint64) error) error {
 	if t.closed {
 		return ErrClosed
 	}
+	if err := t.checkBlocks(blocks); err != nil {
+		return err
+	}
+	return t.eachLocked(blocks, f)
+}
+
+func (t *Table) checkBlocks(blocks []int) error {
 	for _, b := range blocks {
 		if b < 0 || b >= t.numBlocks {
 			return fmt.Errorf("shm: block id %d out of range [0, %d)", b, t.numBlocks)
 		}
 	}
+	return nil
+}
+
+// eachLocked applies f to every block's word (t.mu held).
+func (t *Table) eachLocked(blocks []int, f func(*atomic.Uint64) error) error {
 	var errs []error
 	for _, b := range blocks {
 		if err := f(word(t.mem, blockOff(b))); err != nil {
@@ -258,12 +286,135 @@ func (t *Table) Close(remove bool) error {
 	return errors.Join(errs...)
 }
 
-func tableSize(numBlocks int) int64 {
-	n := int64(tableHeader + 8*numBlocks)
+// numSlots is the request slots of a table for numBlocks blocks: twice
+// the blocks, at least 4096 (far above the requests a prefill worker
+// holds at once: its engine's running requests), a power of two. 16 bytes
+// each: 64 KiB for small caches, 4 MiB for 131,072 blocks.
+func numSlots(numBlocks int) int {
+	n := 4096
+	for n < 2*numBlocks {
+		n *= 2
+	}
+	return n
+}
+
+func tableSize(numBlocks, slots int) int64 {
+	n := int64(tableHeader + 8*numBlocks + 16*slots)
 	return (n + 4095) &^ 4095
 }
 
 func blockOff(b int) int { return tableHeader + 8*b }
+
+// slotOff is the offset of request slot i's key (its word follows).
+func slotOff(numBlocks, i int) int { return tableHeader + 8*numBlocks + 16*i }
+
+// requestKey is a request id's slot key: the first 8 bytes of its SHA-256
+// (never 0: 0 marks a slot never used).
+func requestKey(id string) uint64 {
+	sum := sha256.Sum256([]byte(id))
+	k := binary.LittleEndian.Uint64(sum[:8])
+	if k == 0 {
+		k = 1
+	}
+	return k
+}
+
+// GrantRequest is Grant that also binds the grant to request id: a reader
+// that names the request (Reader.Read) then checks that this request was
+// held during its whole copy, so a block freed and already granted to
+// another request is never read as id's. A request with no blocks needs
+// no slot. With every slot held by a live request it fails (and grants
+// nothing).
+func (t *Table) GrantRequest(id string, blocks []int) error {
+	if len(blocks) == 0 {
+		return nil
+	}
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	if t.closed {
+		return ErrClosed
+	}
+	if err := t.checkBlocks(blocks); err != nil {
+		return err
+	}
+	t.wmu.Lock()
+	w, err := t.slot(requestKey(id), true)
+	if err == nil {
+		for {
+			v := w.Load()
+			if uint32(v) == ^uint32(0) {
+				err = errors.New("shm: grant count overflow")
+				break
+			}
+			if w.CompareAndSwap(v, v+1) {
+				break
+			}
+		}
+	}
+	t.wmu.Unlock()
+	if err != nil {
+		return fmt.Errorf("shm: grant request %q: %w", id, err)
+	}
+	return t.eachLocked(blocks, grantWord)
+}
+
+// RevokeRequest ends one GrantRequest of id and blocks, at once.
+func (t *Table) RevokeRequest(id string, blocks []int) error {
+	if len(blocks) == 0 {
+		return nil
+	}
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	if t.closed {
+		return ErrClosed
+	}
+	if err := t.checkBlocks(blocks); err != nil {
+		return err
+	}
+	t.wmu.Lock()
+	w, err := t.slot(requestKey(id), false)
+	if err == nil {
+		err = release(w)
+	}
+	t.wmu.Unlock()
+	if err != nil {
+		// Not held: its blocks' counts are other requests'.
+		return fmt.Errorf("shm: revoke request %q: %w", id, err)
+	}
+	return t.eachLocked(blocks, release)
+}
+
+// slot finds key's slot word (t.wmu held); with insert, it takes the
+// first slot of its probe chain whose count is 0 when key has none.
+func (t *Table) slot(key uint64, insert bool) (*atomic.Uint64, error) {
+	mask := t.slots - 1
+	free := -1
+	for n, i := 0, int(key)&mask; n < t.slots; n, i = n+1, (i+1)&mask {
+		off := slotOff(t.numBlocks, i)
+		k := word(t.mem, off).Load()
+		if k == key {
+			return word(t.mem, off+8), nil
+		}
+		if free < 0 && uint32(word(t.mem, off+8).Load()) == 0 {
+			free = i
+		}
+		if k == 0 {
+			break
+		}
+	}
+	switch {
+	case !insert:
+		return nil, errors.New("request not granted")
+	case free < 0:
+		return nil, fmt.Errorf("all %d request slots held", t.slots)
+	}
+	off := slotOff(t.numBlocks, free)
+	// The slot's count is 0: a reader that finds the new key sees it
+	// ungranted until the caller counts the grant; one that had
+	// snapshotted the old key sees the key change.
+	word(t.mem, off).Store(key)
+	return word(t.mem, off+8), nil
+}
 
 // word is the 8-byte-aligned word at off of a mapping (page-aligned, so
 // every 8-aligned offset is 8-aligned in memory).

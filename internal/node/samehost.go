@@ -237,7 +237,7 @@ func (s *sameHost) BatchRead(ctx context.Context, session string, b *read.Batch)
 		n += op.Len
 	}
 	s.m.batches.WithLabelValues("shm").Inc()
-	if err := p.r.Read(ctx, ops, st); err != nil {
+	if err := p.r.Read(ctx, b.Request, ops, st); err != nil {
 		return fmt.Errorf("same-host read from %s: %w", p.claim.Path, err)
 	}
 	s.m.bytes.Add(float64(n))
@@ -292,6 +292,37 @@ func (g tableGrants) Revoke(blocks []int) (<-chan struct{}, error) {
 	done, err := g.next.Revoke(blocks)
 	return done, errors.Join(terr, err)
 }
+
+// GrantRequest grants blocks bound to request id in the table (so a
+// same-host reader that names id is refused once id is freed, whatever
+// happened to the blocks since) and plainly on the engine.
+func (g tableGrants) GrantRequest(id string, blocks []int) error {
+	if err := g.t.GrantRequest(id, blocks); err != nil {
+		return err
+	}
+	if g.next == nil {
+		return nil
+	}
+	if err := g.next.Grant(blocks); err != nil {
+		g.t.RevokeRequest(id, blocks)
+		return err
+	}
+	return nil
+}
+
+// RevokeRequest ends one GrantRequest, in the table first.
+func (g tableGrants) RevokeRequest(id string, blocks []int) (<-chan struct{}, error) {
+	terr := g.t.RevokeRequest(id, blocks)
+	if g.next == nil {
+		c := make(chan struct{})
+		close(c)
+		return c, terr
+	}
+	done, err := g.next.Revoke(blocks)
+	return done, errors.Join(terr, err)
+}
+
+var _ prefill.RequestGrants = tableGrants{}
 
 func (g tableGrants) GrantAll() error {
 	if err := g.t.GrantAll(); err != nil {
