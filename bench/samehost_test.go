@@ -93,7 +93,7 @@ func BenchmarkSameHost(b *testing.B) {
 			for i := range all {
 				all[i] = i
 			}
-			if err := table.Grant(all); err != nil {
+			if err := table.GrantRequest("r", all); err != nil {
 				b.Fatal(err)
 			}
 			claim, err := shm.MakeClaim(path, table)
@@ -195,7 +195,7 @@ func BenchmarkSameHost(b *testing.B) {
 			copyAll()
 			want := bytes.Clone(dst.Data())
 			clear(dst.Data())
-			if err := r.Read(ctx, "", ops, stride); err != nil {
+			if err := r.Read(ctx, "r", ops, stride); err != nil {
 				b.Fatal(err)
 			}
 			if !bytes.Equal(dst.Data(), want) {
@@ -229,7 +229,7 @@ func BenchmarkSameHost(b *testing.B) {
 					b.StartTimer()
 				}
 				t0 := time.Now()
-				if err := r.Read(ctx, "", ops, stride); err != nil {
+				if err := r.Read(ctx, "r", ops, stride); err != nil {
 					b.Fatal(err)
 				}
 				s := time.Since(t0)
