@@ -194,9 +194,19 @@ func Open(c Claim, opts Options) (*Reader, error) {
 }
 
 // openChecked opens path read-only, refusing a symbolic link, anything
-// but a regular file, and a file other than (dev, ino).
+// but a regular file, and a file other than (dev, ino). The name is
+// checked with lstat before it is opened, and opened non-blocking, so a
+// claim naming a FIFO or a device never blocks the caller or opens the
+// device; the open file is checked again.
 func openChecked(path string, dev, ino uint64) (*os.File, os.FileInfo, error) {
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	lst, err := os.Lstat(path)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%w: %s: %w", ErrMismatch, path, err)
+	}
+	if lsys, _ := lst.Sys().(*syscall.Stat_t); !lst.Mode().IsRegular() || lsys == nil || uint64(lsys.Dev) != dev || uint64(lsys.Ino) != ino {
+		return nil, nil, fmt.Errorf("%w: %s is not the claimed regular file (device/inode %d/%d)", ErrMismatch, path, dev, ino)
+	}
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK|syscall.O_NOCTTY, 0)
 	if err != nil {
 		return nil, nil, fmt.Errorf("%w: open %s: %w", ErrMismatch, path, err)
 	}

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"syscall"
 	"testing"
 	"unsafe"
 
@@ -549,5 +550,28 @@ func TestRequestGrants(t *testing.T) {
 	must(t, p.table.RevokeRequest("one-more", src))
 	if err := read("one-more"); !errors.Is(err, ErrNotGranted) {
 		t.Fatalf("after the last revoke: %v", err)
+	}
+}
+
+// TestOpenNeverBlocksOnAFIFO: a claim naming a FIFO is refused at once
+// (never opened, which would wait for a writer).
+func TestOpenNeverBlocksOnAFIFO(t *testing.T) {
+	dir := t.TempDir()
+	p := newPrefill(t, dir, testShape, 1)
+	fifo := filepath.Join(dir, "fifo")
+	must(t, syscall.Mkfifo(fifo, 0o600))
+	st, err := os.Stat(fifo)
+	must(t, err)
+	sys := st.Sys().(*syscall.Stat_t)
+	for _, table := range []bool{false, true} {
+		c := p.claim
+		if table {
+			c.Grants, c.GrantsDev, c.GrantsIno = fifo, uint64(sys.Dev), uint64(sys.Ino)
+		} else {
+			c.Path, c.Dev, c.Ino = fifo, uint64(sys.Dev), uint64(sys.Ino)
+		}
+		if _, err := Open(c, Options{BaseAddrs: p.host.BaseAddrs()}); !errors.Is(err, ErrMismatch) {
+			t.Errorf("table %v: %v", table, err)
+		}
 	}
 }
