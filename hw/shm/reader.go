@@ -411,6 +411,9 @@ func (r *Reader) Read(ctx context.Context, req string, ops []Op, s Stride) (err 
 			panic(p)
 		}
 	}()
+	if e := word(r.table, offEpoch).Load(); e != r.epoch {
+		return fmt.Errorf("%w: epoch %#x, opened at %#x", ErrOwnerGone, e, r.epoch)
+	}
 	allW := all.Load()
 	if req != "" {
 		key := requestKey(req)

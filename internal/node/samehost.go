@@ -98,7 +98,11 @@ func newSameHost(net read.Transfer, d npu.Device, reg prometheus.Registerer, log
 	classify := caps.Classify
 	caps.Classify = func(err error) read.Failure {
 		switch {
-		case errors.Is(err, shm.ErrOwnerGone), errors.Is(err, shm.ErrClosed):
+		case errors.Is(err, shm.ErrOwnerGone), errors.Is(err, shm.ErrClosed), errors.Is(err, shm.ErrFault):
+			// The peer exited or restarted, its files changed under the
+			// mapping, or a newer claim replaced this reader: like a lost
+			// connection, re-fetch its metadata (and claim) and retry if
+			// the read stage's rules allow.
 			return read.Failure{ConnLost: true}
 		case errors.Is(err, shm.ErrNotGranted):
 			return read.Failure{Refused: true}
