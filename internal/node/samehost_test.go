@@ -1,7 +1,10 @@
 package node
 
 import (
+	"context"
+	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"slices"
@@ -9,10 +12,16 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvflow/kvflow/hw/npu"
+	"github.com/kvflow/kvflow/hw/shm"
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/prefill"
+	"github.com/kvflow/kvflow/internal/sidechannel"
 	"github.com/kvflow/kvflow/internal/verify"
 	"github.com/kvflow/kvflow/stages/plan"
+	"github.com/kvflow/kvflow/stages/read"
 )
 
 // shmConfig sets node.te_backend shm and a cache file per worker when tp
@@ -131,5 +140,106 @@ func TestSameHostFreedAndRegrantedNeverRead(t *testing.T) {
 	checkBytes(t, c, "someone-else", blocks, blocks)
 	if n := counter(t, c.regs[c.decode[0]], "kvflow_shm_batches_total", map[string]string{"path": "network"}); n != 0 {
 		t.Errorf("%v batches over the network", n)
+	}
+}
+
+// TestSameHostOffer: what each GET_META reply's claim does to a session:
+// none or another host's → the network (the latter counted); a claim that
+// holds → shared memory, kept while the replies repeat it, replaced (the
+// old reader closed) when the claim changes; the same file under another
+// session (the rank restarted on another port) drops the old session.
+func TestSameHostOffer(t *testing.T) {
+	dir := t.TempDir()
+	shape := npu.Shape{NumLayers: 1, NumBlocks: 4, BlockSize: 2, NumKVHeads: 1, HeadDim: 4, DType: npu.BF16}
+	l, err := npu.NewLayout(shape)
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(dir, "p.kv")
+	h, err := npu.CreateShm(path, l, npu.HostOptions{NoLock: true, NoHugePages: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	tb, err := shm.CreateTable(path+".grants", shape.NumBlocks, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tb.Close(false)
+	c, err := shm.MakeClaim(path, tb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	claim := &sidechannel.SameHost{HostID: c.HostID, Path: c.Path, Dev: c.Dev, Ino: c.Ino, Size: c.Size, Header: c.Header,
+		Grants: c.Grants, GrantsDev: c.GrantsDev, GrantsIno: c.GrantsIno, Epoch: c.Epoch}
+	local, err := npu.NewHost(l, npu.HostOptions{NoLock: true, NoHugePages: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer local.Close()
+	var netBatches int
+	net := read.OpsFunc(func(context.Context, string, []plan.Op) error { netBatches++; return nil })
+	reg := prometheus.NewRegistry()
+	s := newSameHost(net, local, reg, slog.New(slog.DiscardHandler))
+	defer s.Close()
+	meta := func(port int, c *sidechannel.SameHost) sidechannel.Metadata {
+		return sidechannel.Metadata{TERPCPort: port, KVCachesBaseAddr: h.BaseAddrs(), NumBlocks: shape.NumBlocks, Ext: sidechannel.Ext{SameHost: c}}
+	}
+	reader := func(session string) *shm.Reader {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if p := s.peers[session]; p != nil {
+			return p.r
+		}
+		return nil
+	}
+	s.offer("127.0.0.1:1", meta(5000, nil))
+	if reader("127.0.0.1:5000") != nil {
+		t.Fatal("a reply without a claim opened a reader")
+	}
+	other := *claim
+	other.HostID = "boot:elsewhere"
+	s.offer("127.0.0.1:1", meta(5000, &other))
+	if reader("127.0.0.1:5000") != nil || counter(t, reg, "kvflow_shm_fallbacks_total", map[string]string{"reason": "other_host"}) != 1 {
+		t.Fatal("another host's claim: not a counted fallback")
+	}
+	s.offer("127.0.0.1:1", meta(5000, claim))
+	r1 := reader("127.0.0.1:5000")
+	if r1 == nil {
+		t.Fatal("a claim that holds opened no reader")
+	}
+	s.offer("127.0.0.1:1", meta(5000, claim))
+	if reader("127.0.0.1:5000") != r1 {
+		t.Fatal("the same claim re-opened the reader")
+	}
+	// Batches go to the reader (refused: nothing granted) or the network.
+	b := &read.Batch{List: []plan.Op{{Local: local.BaseAddrs()[0], Remote: h.BaseAddrs()[0], Len: 16}}, Request: "x"}
+	if err := s.BatchRead(t.Context(), "127.0.0.1:5000", b); !errors.Is(err, shm.ErrNotGranted) || !s.caps.Classify(err).Refused {
+		t.Fatalf("ungranted same-host batch: %v", err)
+	}
+	if err := tb.GrantRequest("x", []int{0}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.BatchRead(t.Context(), "127.0.0.1:5000", b); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.BatchRead(t.Context(), "127.0.0.1:5001", b); err != nil || netBatches != 1 {
+		t.Fatalf("unknown session: %v, %d network batches", err, netBatches)
+	}
+	// The rank restarted on another port: the old session is dropped and
+	// its reader closed.
+	s.offer("127.0.0.1:1", meta(5002, claim))
+	if reader("127.0.0.1:5002") == nil || reader("127.0.0.1:5000") != nil {
+		t.Fatal("same file under a new session: old session kept")
+	}
+	if err := r1.Read(t.Context(), "x", nil, shm.Stride{}); !errors.Is(err, shm.ErrClosed) || !s.caps.Classify(err).ConnLost {
+		t.Fatalf("the replaced reader: %v", err)
+	}
+	// A stale claim (another epoch): counted, read over the network.
+	stale := *claim
+	stale.Epoch++
+	s.offer("127.0.0.1:1", meta(5002, &stale))
+	if reader("127.0.0.1:5002") != nil || counter(t, reg, "kvflow_shm_fallbacks_total", map[string]string{"reason": "owner_gone"}) != 1 {
+		t.Fatal("a stale claim: not a counted fallback")
 	}
 }
