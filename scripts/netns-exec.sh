@@ -6,4 +6,5 @@
 set -euo pipefail
 userns=()
 [[ $(id -u) == 0 ]] || userns=(-r)
+export KVFLOW_NETNS=1
 exec unshare "${userns[@]}" -n bash -c 'ip link set lo up && exec "$@"' netns-exec "$@"

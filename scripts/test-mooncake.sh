@@ -7,7 +7,8 @@
 # Needs MOONCAKE_PREFIX (the install prefix of a Mooncake build: include/
 # and lib/), taken from the environment or from ~/.config/kvflow/mooncake.env
 # (MOONCAKE_ENV overrides the path), which ../shared/tools/mooncake-build.sh
-# writes; MOONCAKE_LDFLAGS there gives the link line. Without
+# writes; MOONCAKE_LDFLAGS there gives the link line, MOONCAKE_PY the
+# directory of Mooncake's Python module (TestStockMooncakeInitiator). Without
 # MOONCAKE_PREFIX it prints why and exits 0 (skipped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +29,12 @@ if [[ ! -f "$MOONCAKE_PREFIX/include/transfer_engine_c.h" ]]; then
 fi
 : "${MOONCAKE_LDFLAGS:=-L$MOONCAKE_PREFIX/lib -Wl,-rpath,$MOONCAKE_PREFIX/lib -Wl,--start-group -ltransfer_engine -lbase -lmooncake_common -Wl,--end-group -lasio -lstdc++ -libverbs -lnuma -lglog -lgflags -ljsoncpp -lyaml-cpp -lpthread -lm}"
 export CGO_ENABLED=1 CGO_CFLAGS="-I$MOONCAKE_PREFIX/include" CGO_LDFLAGS="$MOONCAKE_LDFLAGS"
+export MOONCAKE_PY="${MOONCAKE_PY:-}" SEED_PYTHON="${SEED_PYTHON:-python3}"
 echo "test-mooncake: against $MOONCAKE_PREFIX"
 set -x
 "$GO" vet -tags mooncake ./hw/mooncake/...
 "$GO" test -tags mooncake -race -count=1 -timeout 10m -exec "$PWD/scripts/netns-exec.sh" ./hw/mooncake/mooncakec/
+# Mooncake's own engine (its Python module, MOONCAKE_PY) reading from
+# kvflow's target, connection pool off and on; skipped without MOONCAKE_PY.
+"$GO" test -race -count=1 -timeout 5m -exec "$PWD/scripts/netns-exec.sh" -run 'TestStockMooncakeInitiator' -v ./hw/mooncake/ | grep -E '^(=== RUN|--- |\s+---|PASS|FAIL|ok)|skip'
+
