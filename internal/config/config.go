@@ -287,6 +287,21 @@ type Read struct {
 	// costs no pass of its own over the cache. False reads as the seed
 	// does and runs the stitch kernel afterwards. The bytes are the same.
 	FusedStitch bool `json:"fused_stitch"`
+
+	// Peer isolation (decode): the read and notify stages keep one queue
+	// per prefill peer (decode.PeerLimits). MaxPeers bounds the distinct
+	// peers at once (a request naming another fails, too_many_peers).
+	MaxPeers int `json:"max_peers"`
+	// PeerWorkers: one peer's requests in the read stage at once; 0 =
+	// three quarters of the read workers.
+	PeerWorkers int `json:"peer_workers"`
+	// PeerQueue: one peer's requests waiting for the read stage; 0 = half
+	// its queue.
+	PeerQueue int `json:"peer_queue"`
+	// PeerStall: a peer none of whose reads succeeded for this long
+	// while some ran is stalled, and its requests beyond peer_queue fail
+	// at once (peer_stalled) instead of holding the stages before it.
+	PeerStall Duration `json:"peer_stall"`
 }
 
 // Notify configures the decode side's acknowledged messages to prefill:
@@ -300,6 +315,11 @@ type Notify struct {
 	Timeout      Duration `json:"timeout"`       // one attempt's wait for the ACK
 	Attempts     int      `json:"attempts"`      // tries per DONE (1 = no retry)
 	RetryBackoff Duration `json:"retry_backoff"` // pause before a retry
+	// PeerWorkers, PeerQueue, PeerStall: read.peer_* for the DONEs (0 =
+	// half the notify workers, half its queue).
+	PeerWorkers int      `json:"peer_workers"`
+	PeerQueue   int      `json:"peer_queue"`
+	PeerStall   Duration `json:"peer_stall"`
 }
 
 // Tracker configures the prefill side's delayed frees.
@@ -493,6 +513,14 @@ func Default() Config {
 			// only queue behind them.
 			PerPeerConcurrency: 4,
 			FusedStitch:        true,
+			// A decode worker talks to tens of prefill ranks, a large
+			// deployment to hundreds; a flood of made-up peers costs at
+			// most 1024 small records per stage.
+			MaxPeers: 1024,
+			// A healthy task moves a few GiB at >= 1 GB/s: seconds. 10 s
+			// without one read ending well is a wedged peer, well before
+			// read.timeout (30 s) fails its reads one by one.
+			PeerStall: Duration(10 * time.Second),
 			// On wherever the engine names the blocks (kvflow's connector
 			// always does), open only while a request it could not name
 			// is held: a forged or early DONE cannot make a decode read
@@ -505,6 +533,10 @@ func Default() Config {
 			Timeout:      Duration(time.Second),
 			Attempts:     3,
 			RetryBackoff: Duration(100 * time.Millisecond),
+			// A DONE round trip takes a millisecond; 5 s without one ACK
+			// is a peer that no longer answers (each DONE's own retries
+			// end within 3.3 s).
+			PeerStall: Duration(5 * time.Second),
 		},
 		Tracker: Tracker{
 			// vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default, which the

@@ -269,6 +269,29 @@ func (c Config) validateSettings(v *validator) {
 	v.atLeast("handshake.cache_size", h.CacheSize, 1)
 	v.positive("read.timeout", c.Read.Timeout)
 	v.atLeast("read.per_peer_concurrency", c.Read.PerPeerConcurrency, 1)
+	v.atLeast("read.max_peers", c.Read.MaxPeers, 1)
+	v.atLeast("read.peer_workers", c.Read.PeerWorkers, 0)
+	v.atLeast("read.peer_queue", c.Read.PeerQueue, 0)
+	v.atLeast("notify.peer_workers", c.Notify.PeerWorkers, 0)
+	v.atLeast("notify.peer_queue", c.Notify.PeerQueue, 0)
+	if c.Read.PeerStall < 0 {
+		v.add("read.peer_stall", "want >= 0 (0 = never), got %v", c.Read.PeerStall.D())
+	}
+	if c.Notify.PeerStall < 0 {
+		v.add("notify.peer_stall", "want >= 0 (0 = never), got %v", c.Notify.PeerStall.D())
+	}
+	if w := c.Pipeline.Workers.Read; c.Read.PeerWorkers > w && w > 0 {
+		v.add("read.peer_workers", "want at most pipeline.workers.read (%d), got %d", w, c.Read.PeerWorkers)
+	}
+	if q := c.Pipeline.Queues.Read; c.Read.PeerQueue > q && q > 0 {
+		v.add("read.peer_queue", "want at most pipeline.queues.read (%d), got %d", q, c.Read.PeerQueue)
+	}
+	if w := c.Pipeline.Workers.Notify; c.Notify.PeerWorkers > w && w > 0 {
+		v.add("notify.peer_workers", "want at most pipeline.workers.notify (%d), got %d", w, c.Notify.PeerWorkers)
+	}
+	if q := c.Pipeline.Queues.Notify; c.Notify.PeerQueue > q && q > 0 {
+		v.add("notify.peer_queue", "want at most pipeline.queues.notify (%d), got %d", q, c.Notify.PeerQueue)
+	}
 	if !c.Read.Grants.Valid() {
 		v.add("read.grants", "want auto, on or off, got %q", string(c.Read.Grants))
 	}

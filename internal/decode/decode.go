@@ -98,6 +98,8 @@ type Options struct {
 	PeerBuffers handshake.SegmentLister
 
 	Stages StageSizes
+	// Peers keys the read and notify stages by prefill peer (peers.go).
+	Peers PeerLimits
 	// HandshakeCacheSize, HandshakeTimeout, NotifyTimeout, PerSession:
 	// see the stage packages; zero takes their defaults.
 	HandshakeCacheSize int
@@ -346,14 +348,16 @@ func New(o Options) (*Worker, error) {
 	if o.PeerAbortTimeout > 0 || w.rn != nil {
 		rdStage = w.guard(rd)
 	}
+	stages := []pipeline.StageConfig[*job.Job]{
+		{Name: "plan", Workers: st.Plan.Workers, Capacity: st.Plan.Capacity, Stage: planstage.Stage{Topology: o.Topology, Self: o.Self}},
+		{Name: "handshake", Workers: st.Handshake.Workers, Capacity: st.Handshake.Capacity, Stage: hsStage},
+		{Name: "read", Workers: st.Read.Workers, Capacity: st.Read.Capacity, Stage: rdStage},
+		{Name: "stitch", Workers: st.Stitch.Workers, Capacity: st.Stitch.Capacity, Stage: stitch.Stage{Kernel: o.Kernel}},
+		{Name: "notify", Workers: st.Notify.Workers, Capacity: st.Notify.Capacity, Stage: nt, SeesFailed: true},
+	}
+	o.Peers.keyed(&stages[2], &stages[4])
 	p, err := pipeline.New(pipeline.Config[*job.Job]{
-		Stages: []pipeline.StageConfig[*job.Job]{
-			{Name: "plan", Workers: st.Plan.Workers, Capacity: st.Plan.Capacity, Stage: planstage.Stage{Topology: o.Topology, Self: o.Self}},
-			{Name: "handshake", Workers: st.Handshake.Workers, Capacity: st.Handshake.Capacity, Stage: hsStage},
-			{Name: "read", Workers: st.Read.Workers, Capacity: st.Read.Capacity, Stage: rdStage},
-			{Name: "stitch", Workers: st.Stitch.Workers, Capacity: st.Stitch.Capacity, Stage: stitch.Stage{Kernel: o.Kernel}},
-			{Name: "notify", Workers: st.Notify.Workers, Capacity: st.Notify.Capacity, Stage: nt, SeesFailed: true},
-		},
+		Stages:     stages,
 		Sink:       w.sink,
 		Registerer: reg,
 		Logger:     log,

@@ -121,7 +121,8 @@ func TestRestartBeforeAdmissionOneRefetch(t *testing.T) {
 // process; one GET_META serves them all.
 func TestRestartAfterAdmissionFails(t *testing.T) {
 	p := newRestartingPeer(time.Now().Add(-time.Hour))
-	w := restartWorker(t, p)
+	// Every read worker may read this one peer.
+	w := restartWorker(t, p, func(o *Options) { o.Peers.ReadWorkers = DefaultStageSizes().Read.Workers })
 	warm(t, w)
 	gate := make(chan struct{})
 	p.mu.Lock()

@@ -192,6 +192,7 @@ func (n *Node) startDecode(log *slog.Logger, layout npu.Layout) error {
 		LocalCache:         &fp,
 		PeerBuffers:        PeerBuffers(n.Engine),
 		Stages:             stageSizes(cfg.Pipeline),
+		Peers:              peerLimits(cfg),
 		HandshakeCacheSize: cfg.Handshake.CacheSize,
 		HandshakeTimeout:   time.Duration(max(1, cfg.Handshake.Attempts)) * (cfg.Handshake.Timeout.D() + cfg.Handshake.RetryBackoff.D()),
 		NotifyTimeout:      time.Duration(max(1, cfg.Notify.Attempts)) * (cfg.Notify.Timeout.D() + cfg.Notify.RetryBackoff.D()),
@@ -302,6 +303,22 @@ func (n *Node) Close(ctx context.Context) error {
 	}
 	n.closers = nil
 	return errors.Join(errs...)
+}
+
+// peerLimits is the decode's per-peer isolation from read.* and notify.*
+// (a peer_stall of 0 means never: decode takes a negative stall as never).
+func peerLimits(cfg config.Config) decode.PeerLimits {
+	stall := func(d time.Duration) time.Duration {
+		if d == 0 {
+			return -1
+		}
+		return d
+	}
+	return decode.PeerLimits{
+		ReadWorkers: cfg.Read.PeerWorkers, ReadQueue: cfg.Read.PeerQueue, ReadStall: stall(cfg.Read.PeerStall.D()),
+		NotifyWorkers: cfg.Notify.PeerWorkers, NotifyQueue: cfg.Notify.PeerQueue, NotifyStall: stall(cfg.Notify.PeerStall.D()),
+		MaxPeers: cfg.Read.MaxPeers,
+	}
 }
 
 func stageSizes(p config.Pipeline) decode.StageSizes {
