@@ -302,6 +302,11 @@ type Read struct {
 	// while some ran is stalled, and its requests beyond peer_queue fail
 	// at once (peer_stalled) instead of holding the stages before it.
 	PeerStall Duration `json:"peer_stall"`
+	// PeerDownAfter consecutive failed or timed-out reads or DONEs mark a
+	// peer down: its requests then fail at once (peer_down) until a
+	// GET_META probe, every PeerProbeInterval, answers.
+	PeerDownAfter     int      `json:"peer_down_after"`
+	PeerProbeInterval Duration `json:"peer_probe_interval"`
 }
 
 // Notify configures the decode side's acknowledged messages to prefill:
@@ -521,6 +526,12 @@ func Default() Config {
 			// without one read ending well is a wedged peer, well before
 			// read.timeout (30 s) fails its reads one by one.
 			PeerStall: Duration(10 * time.Second),
+			// One lost connection fails the reads in flight on it (one or
+			// two per peer): three in a row is a pattern, not a blip.
+			PeerDownAfter: 3,
+			// A restarted prefill is used again within a second, at one
+			// GET_META per second per down peer (16 per tick at most).
+			PeerProbeInterval: Duration(time.Second),
 			// On wherever the engine names the blocks (kvflow's connector
 			// always does), open only while a request it could not name
 			// is held: a forged or early DONE cannot make a decode read

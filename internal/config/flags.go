@@ -107,6 +107,8 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.IntVar(&c.Read.PeerWorkers, "read-peer-workers", c.Read.PeerWorkers, "decode: one peer's requests in the read stage at once, 0 = 3/4 of its workers (read.peer_workers)")
 	fs.IntVar(&c.Read.PeerQueue, "read-peer-queue", c.Read.PeerQueue, "decode: one peer's requests waiting to read, 0 = half the read queue (read.peer_queue)")
 	fs.Var(&c.Read.PeerStall, "read-peer-stall", "decode: a peer with no good read for this long is stalled; its overflow fails at once, 0 = never (read.peer_stall)")
+	fs.IntVar(&c.Read.PeerDownAfter, "read-peer-down-after", c.Read.PeerDownAfter, "decode: failed reads or DONEs in a row that mark a peer down (read.peer_down_after)")
+	fs.Var(&c.Read.PeerProbeInterval, "read-peer-probe-interval", "decode: GET_META probe of a down peer, this often (read.peer_probe_interval)")
 	fs.IntVar(&c.Notify.PeerWorkers, "notify-peer-workers", c.Notify.PeerWorkers, "decode: one peer's requests in the notify stage at once, 0 = half its workers (notify.peer_workers)")
 	fs.IntVar(&c.Notify.PeerQueue, "notify-peer-queue", c.Notify.PeerQueue, "decode: one peer's requests waiting to notify, 0 = half the notify queue (notify.peer_queue)")
 	fs.Var(&c.Notify.PeerStall, "notify-peer-stall", "decode: a peer with no ACK for this long is stalled; its overflow fails at once, 0 = never (notify.peer_stall)")

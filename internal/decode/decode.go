@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/kvflow/kvflow/hw/npu"
+	"github.com/kvflow/kvflow/internal/peers"
 	"github.com/kvflow/kvflow/pipeline"
 	"github.com/kvflow/kvflow/stages/handshake"
 	"github.com/kvflow/kvflow/stages/job"
@@ -100,6 +101,10 @@ type Options struct {
 	Stages StageSizes
 	// Peers keys the read and notify stages by prefill peer (peers.go).
 	Peers PeerLimits
+	// Health, if set, fails requests to prefill peers it marks down at
+	// once (reason peer_down) and is fed the reads' and DONEs' outcomes
+	// (health.go). Its probe loop is the caller's to run.
+	Health *peers.Tracker
 	// HandshakeCacheSize, HandshakeTimeout, NotifyTimeout, PerSession:
 	// see the stage packages; zero takes their defaults.
 	HandshakeCacheSize int
@@ -332,7 +337,11 @@ func New(o Options) (*Worker, error) {
 	if err != nil {
 		return nil, err
 	}
-	nt, err := notify.New(o.Sender, notify.Options{Timeout: o.NotifyTimeout, Logger: log, Registerer: reg})
+	sender := o.Sender
+	if o.Health != nil {
+		sender = newHealthSender(sender, o.Health)
+	}
+	nt, err := notify.New(sender, notify.Options{Timeout: o.NotifyTimeout, Logger: log, Registerer: reg})
 	if err != nil {
 		return nil, err
 	}
@@ -347,6 +356,10 @@ func New(o Options) (*Worker, error) {
 	var rdStage pipeline.Stage[*job.Job] = rd
 	if o.PeerAbortTimeout > 0 || w.rn != nil {
 		rdStage = w.guard(rd)
+	}
+	if o.Health != nil {
+		hsStage = healthGate{Stage: hsStage, h: o.Health, recordFail: true}
+		rdStage = healthGate{Stage: rdStage, h: o.Health, record: true}
 	}
 	stages := []pipeline.StageConfig[*job.Job]{
 		{Name: "plan", Workers: st.Plan.Workers, Capacity: st.Plan.Capacity, Stage: planstage.Stage{Topology: o.Topology, Self: o.Self}},

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -15,6 +16,7 @@ import (
 	"github.com/kvflow/kvflow/hw/npu"
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/decode"
+	"github.com/kvflow/kvflow/internal/peers"
 	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/sidechannel"
 	"github.com/kvflow/kvflow/stages/plan"
@@ -50,6 +52,8 @@ type Node struct {
 	Server  *sidechannel.Server
 	Decode  *decode.Worker
 	Prefill *prefill.Worker
+	// Peers (decode) is the prefill peers' health, served at /debug/peers.
+	Peers *peers.Tracker
 	// Curve is the side channel's CURVE configuration when auth.mode is
 	// curve (nil: plain, seed-compatible).
 	Curve *sidechannel.Curve
@@ -178,11 +182,29 @@ func (n *Node) startDecode(log *slog.Logger, layout npu.Layout) error {
 	}
 	n.Notify = nc
 	fp := Fingerprint(cfg, layout)
+	fetch := fetcher{c: hc, creds: n.Engine}
+	health, err := peers.New(peers.Options{
+		DownAfter: cfg.Read.PeerDownAfter, ProbeInterval: cfg.Read.PeerProbeInterval.D(), MaxPeers: cfg.Read.MaxPeers,
+		Probe: func(ctx context.Context, endpoint string) error {
+			_, err := fetch.GetMeta(ctx, endpoint)
+			return err
+		},
+		Registerer: n.deps.Registerer, Logger: log,
+	})
+	if err != nil {
+		return err
+	}
+	n.Peers = health
+	probeCtx, stopProbes := context.WithCancel(context.Background())
+	var probes sync.WaitGroup
+	probes.Go(func() { health.Run(probeCtx) })
+	n.closers = append(n.closers, func(context.Context) error { stopProbes(); probes.Wait(); return nil })
 	w, err := decode.New(decode.Options{
 		Topology:           cfg.Topology(),
 		Self:               cfg.Self(),
 		LocalEngineID:      cfg.KVTransfer.EngineID,
-		Fetcher:            fetcher{c: hc, creds: n.Engine},
+		Fetcher:            fetch,
+		Health:             health,
 		Transfer:           Transfer(n.Engine),
 		Kernel:             n.Device,
 		Sender:             nc,
