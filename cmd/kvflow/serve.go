@@ -164,6 +164,10 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 		var h http.Handler = n.Peers
 		debugPeers.Store(&h)
 	}
+	if n.Prefill != nil {
+		var h http.Handler = n.Prefill
+		debugKV.Store(&h)
+	}
 	ready.Store(true)
 	// One line on stdout that launchers (the demo, tests) can read.
 	fmt.Fprintf(stdout, "kvflow ready role=%s control=%s handshake_port=%d te_session=%s metrics=%s\n",

@@ -352,6 +352,10 @@ type Tracker struct {
 	// message (done_batch_msg); seed decode workers never do. False makes
 	// every decode worker send plain DONE_RECVING, one per request.
 	BatchDone bool `json:"batch_done"`
+	// HeldAgeAlert (prefill): a request held (awaiting DONEs) longer than
+	// this counts in kvflow_tracker_requests_held_past_age and is flagged
+	// in /debug/kv: stranded blocks, freed only at the abort timeout.
+	HeldAgeAlert Duration `json:"held_age_alert"`
 }
 
 // Shutdown configures the two-phase shutdown.
@@ -564,6 +568,10 @@ func Default() Config {
 			// DONEs to one peer: 0.43 messages per DONE), no added
 			// latency when idle; negotiated, so seed peers are unaffected.
 			BatchDone: true,
+			// A request's blocks are read within seconds of its send: two
+			// minutes held is a decode that never came, long before the
+			// 480 s abort timeout frees the blocks.
+			HeldAgeAlert: Duration(120 * time.Second),
 		},
 		Shutdown: Shutdown{
 			// Inside Kubernetes' default 30 s termination grace period,

@@ -271,6 +271,7 @@ func (c Config) validateSettings(v *validator) {
 	v.atLeast("read.per_peer_concurrency", c.Read.PerPeerConcurrency, 1)
 	v.atLeast("read.max_peers", c.Read.MaxPeers, 1)
 	v.atLeast("read.peer_down_after", c.Read.PeerDownAfter, 1)
+	v.positive("tracker.held_age_alert", c.Tracker.HeldAgeAlert)
 	v.positive("read.peer_probe_interval", c.Read.PeerProbeInterval)
 	v.atLeast("read.peer_workers", c.Read.PeerWorkers, 0)
 	v.atLeast("read.peer_queue", c.Read.PeerQueue, 0)

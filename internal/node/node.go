@@ -276,6 +276,7 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 		Topology:     cfg.Topology(),
 		Self:         cfg.Self(),
 		AbortTimeout: cfg.Tracker.AbortRequestTimeout.D(),
+		HeldAgeAlert: cfg.Tracker.HeldAgeAlert.D(),
 		LeaseTTL:     cfg.Tracker.LeaseTTL.D(),
 		NoBatchDone:  !cfg.Tracker.BatchDone,
 		Grants:       grants,
