@@ -77,46 +77,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.IntVar(&l.FDReserve, "fd-reserve", l.FDReserve, "file descriptors kept free for control, side channel and HTTP; 0 = no check (node.limits.fd_reserve)")
 	fs.IntVar(&l.HTTPMaxConns, "http-max-conns", l.HTTPMaxConns, "open connections of the metrics endpoint (node.limits.http_max_conns)")
 
-	for _, s := range []struct {
-		kind  string
-		sizes *StageSizes
-	}{{"workers", &c.Pipeline.Workers}, {"queue", &c.Pipeline.Queues}} {
-		what := "goroutines of"
-		path := "pipeline.workers."
-		if s.kind == "queue" {
-			what, path = "queue capacity in front of", "pipeline.queues."
-		}
-		for _, st := range []struct {
-			name string
-			p    *int
-		}{
-			{"plan", &s.sizes.Plan}, {"handshake", &s.sizes.Handshake}, {"read", &s.sizes.Read},
-			{"stitch", &s.sizes.Stitch}, {"notify", &s.sizes.Notify},
-		} {
-			fs.IntVar(st.p, st.name+"-"+s.kind, *st.p, what+" the "+st.name+" stage ("+path+st.name+")")
-		}
-	}
-
-	fs.Var(&c.Handshake.Timeout, "handshake-timeout", "wait for one GET_META reply (handshake.timeout)")
-	fs.IntVar(&c.Handshake.Attempts, "handshake-attempts", c.Handshake.Attempts, "GET_META tries (handshake.attempts)")
-	fs.Var(&c.Handshake.RetryBackoff, "handshake-retry-backoff", "pause before a GET_META retry (handshake.retry_backoff)")
-	fs.IntVar(&c.Handshake.CacheSize, "handshake-cache-size", c.Handshake.CacheSize, "cached remote metadata entries (handshake.cache_size)")
-	fs.Var(&c.Read.Timeout, "read-timeout", "one task's transfer batch (read.timeout)")
-	fs.IntVar(&c.Read.PerPeerConcurrency, "read-per-peer", c.Read.PerPeerConcurrency, "batches in flight per remote rank (read.per_peer_concurrency)")
-	fs.IntVar(&c.Read.MaxPeers, "read-max-peers", c.Read.MaxPeers, "decode: distinct prefill peers queued at once; more are refused (read.max_peers)")
-	fs.IntVar(&c.Read.PeerWorkers, "read-peer-workers", c.Read.PeerWorkers, "decode: one peer's requests in the read stage at once, 0 = 3/4 of its workers (read.peer_workers)")
-	fs.IntVar(&c.Read.PeerQueue, "read-peer-queue", c.Read.PeerQueue, "decode: one peer's requests waiting to read, 0 = half the read queue (read.peer_queue)")
-	fs.Var(&c.Read.PeerStall, "read-peer-stall", "decode: a peer with no good read for this long is stalled; its overflow fails at once, 0 = never (read.peer_stall)")
-	fs.IntVar(&c.Read.PeerDownAfter, "read-peer-down-after", c.Read.PeerDownAfter, "decode: failed reads or DONEs in a row that mark a peer down (read.peer_down_after)")
-	fs.Var(&c.Read.PeerProbeInterval, "read-peer-probe-interval", "decode: GET_META probe of a down peer, this often (read.peer_probe_interval)")
-	fs.IntVar(&c.Notify.PeerWorkers, "notify-peer-workers", c.Notify.PeerWorkers, "decode: one peer's requests in the notify stage at once, 0 = half its workers (notify.peer_workers)")
-	fs.IntVar(&c.Notify.PeerQueue, "notify-peer-queue", c.Notify.PeerQueue, "decode: one peer's requests waiting to notify, 0 = half the notify queue (notify.peer_queue)")
-	fs.Var(&c.Notify.PeerStall, "notify-peer-stall", "decode: a peer with no ACK for this long is stalled; its overflow fails at once, 0 = never (notify.peer_stall)")
-	fs.BoolVar(&c.Read.FusedStitch, "fused-stitch", c.Read.FusedStitch, "decode: land pulled slices straight in their stitched place when the engine can (read.fused_stitch)")
-	fs.Var(&c.Read.Grants, "read-grants", "prefill: which blocks peers may read: auto (held requests' blocks; all while one without block ids is held), on (held requests' named blocks only), off (everything) (read.grants)")
-	fs.Var(&c.Notify.Timeout, "notify-timeout", "wait for one DONE_RECVING or RENEW ACK (notify.timeout)")
-	fs.IntVar(&c.Notify.Attempts, "notify-attempts", c.Notify.Attempts, "DONE_RECVING and RENEW tries (notify.attempts)")
-	fs.Var(&c.Notify.RetryBackoff, "notify-retry-backoff", "pause before a DONE_RECVING or RENEW retry (notify.retry_backoff)")
+	c.registerStageFlags(fs)
 	fs.Var(&c.Tracker.AbortRequestTimeout, "abort-timeout", "prefill: force-free requests not DONE within this, as VLLM_NIXL_ABORT_REQUEST_TIMEOUT; decode: the prefill's, assumed for peers without leases (reads that would start later are refused; keep them equal) (tracker.abort_request_timeout)")
 	fs.Var(&c.Tracker.LeaseTTL, "lease-ttl", "prefill: advertise leases; a RENEW keeps a request held this long, 0 = off (tracker.lease_ttl)")
 	fs.Var(&c.Tracker.HeldAgeAlert, "held-age-alert", "prefill: requests held longer than this count in kvflow_tracker_requests_held_past_age (tracker.held_age_alert)")

@@ -250,61 +250,9 @@ func (c Config) validateNode(v *validator) {
 }
 
 func (c Config) validateSettings(v *validator) {
-	for _, s := range []struct {
-		name  string
-		sizes StageSizes
-	}{{"pipeline.workers", c.Pipeline.Workers}, {"pipeline.queues", c.Pipeline.Queues}} {
-		v.atLeast(s.name+".plan", s.sizes.Plan, 1)
-		v.atLeast(s.name+".handshake", s.sizes.Handshake, 1)
-		v.atLeast(s.name+".read", s.sizes.Read, 1)
-		v.atLeast(s.name+".stitch", s.sizes.Stitch, 1)
-		v.atLeast(s.name+".notify", s.sizes.Notify, 1)
-	}
-	h := c.Handshake
-	v.positive("handshake.timeout", h.Timeout)
-	v.atLeast("handshake.attempts", h.Attempts, 1)
-	if h.RetryBackoff < 0 {
-		v.add("handshake.retry_backoff", "must be >= 0, got %s", h.RetryBackoff.D())
-	}
-	v.atLeast("handshake.cache_size", h.CacheSize, 1)
-	v.positive("read.timeout", c.Read.Timeout)
-	v.atLeast("read.per_peer_concurrency", c.Read.PerPeerConcurrency, 1)
-	v.atLeast("read.max_peers", c.Read.MaxPeers, 1)
-	v.atLeast("read.peer_down_after", c.Read.PeerDownAfter, 1)
-	v.positive("tracker.held_age_alert", c.Tracker.HeldAgeAlert)
-	v.positive("read.peer_probe_interval", c.Read.PeerProbeInterval)
-	v.atLeast("read.peer_workers", c.Read.PeerWorkers, 0)
-	v.atLeast("read.peer_queue", c.Read.PeerQueue, 0)
-	v.atLeast("notify.peer_workers", c.Notify.PeerWorkers, 0)
-	v.atLeast("notify.peer_queue", c.Notify.PeerQueue, 0)
-	if c.Read.PeerStall < 0 {
-		v.add("read.peer_stall", "want >= 0 (0 = never), got %v", c.Read.PeerStall.D())
-	}
-	if c.Notify.PeerStall < 0 {
-		v.add("notify.peer_stall", "want >= 0 (0 = never), got %v", c.Notify.PeerStall.D())
-	}
-	if w := c.Pipeline.Workers.Read; c.Read.PeerWorkers > w && w > 0 {
-		v.add("read.peer_workers", "want at most pipeline.workers.read (%d), got %d", w, c.Read.PeerWorkers)
-	}
-	if q := c.Pipeline.Queues.Read; c.Read.PeerQueue > q && q > 0 {
-		v.add("read.peer_queue", "want at most pipeline.queues.read (%d), got %d", q, c.Read.PeerQueue)
-	}
-	if w := c.Pipeline.Workers.Notify; c.Notify.PeerWorkers > w && w > 0 {
-		v.add("notify.peer_workers", "want at most pipeline.workers.notify (%d), got %d", w, c.Notify.PeerWorkers)
-	}
-	if q := c.Pipeline.Queues.Notify; c.Notify.PeerQueue > q && q > 0 {
-		v.add("notify.peer_queue", "want at most pipeline.queues.notify (%d), got %d", q, c.Notify.PeerQueue)
-	}
-	if !c.Read.Grants.Valid() {
-		v.add("read.grants", "want auto, on or off, got %q", string(c.Read.Grants))
-	}
-	no := c.Notify
-	v.positive("notify.timeout", no.Timeout)
-	v.atLeast("notify.attempts", no.Attempts, 1)
-	if no.RetryBackoff < 0 {
-		v.add("notify.retry_backoff", "must be >= 0, got %s", no.RetryBackoff.D())
-	}
+	c.validateStages(v)
 	v.positive("tracker.abort_request_timeout", c.Tracker.AbortRequestTimeout)
+	v.positive("tracker.held_age_alert", c.Tracker.HeldAgeAlert)
 	if l := c.Tracker.LeaseTTL; l != 0 && l < Duration(MinLeaseTTL) {
 		v.add("tracker.lease_ttl", "must be 0 (off) or >= %s, got %s", MinLeaseTTL, l.D())
 	}

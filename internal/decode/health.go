@@ -40,6 +40,18 @@ func peerFailure(err error) bool {
 	return false
 }
 
+// gate puts the handshake and read stages behind the peer-health check
+// (the others as they are).
+func gate(name string, st pipeline.Stage[*job.Job], h *peers.Tracker) pipeline.Stage[*job.Job] {
+	switch name {
+	case "handshake":
+		return healthGate{Stage: st, h: h, recordFail: true}
+	case "read":
+		return healthGate{Stage: st, h: h, record: true}
+	}
+	return st
+}
+
 // healthGate is a stage behind the peer-health check. With record, the
 // stage's outcome is recorded for every endpoint of the job (a success
 // marks them answering); with recordFail, only failures are.

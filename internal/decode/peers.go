@@ -5,64 +5,23 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"time"
 
+	"github.com/kvflow/kvflow/internal/peers"
 	"github.com/kvflow/kvflow/pipeline"
 	"github.com/kvflow/kvflow/stages/job"
 )
 
-// PeerLimits keys the read and notify stages by prefill peer (a keyed
-// pipeline stage, see pipeline.StageConfig.Key): a request waits in its
-// peer's queue, at most ReadWorkers (NotifyWorkers) of one peer's requests
-// are in the stage at once, and workers serve the peers in turn, so a slow
-// or wedged prefill rank holds at most its share of the workers and the
-// queue while requests to other ranks go on. The stages' queue capacities
-// still bound all peers together (a full stage blocks its sender, as
-// before). Zero fields take the defaults named on each.
-type PeerLimits struct {
-	// ReadWorkers: one peer's requests reading at once. 0: three quarters
-	// of the read workers, so a quarter is always free for other peers
-	// (large batches are further bounded per session by PerSession; small
-	// ones are not, and their round trips overlap on all the others).
-	ReadWorkers int
-	// ReadQueue: one peer's requests waiting for the read stage. 0: half
-	// the stage's queue, so one peer never fills it.
-	ReadQueue int
-	// ReadStall: a peer none of whose reads succeeded for this long while
-	// some ran is stalled: its requests beyond ReadQueue fail at once
-	// (reason peer_stalled) instead of holding the stage before it. 0:
-	// 10 s (a healthy task moves a few GiB at >= 1 GB/s in seconds, and a
-	// wedged one waits read.timeout, 30 s). Negative: never.
-	ReadStall time.Duration
-	// NotifyWorkers, NotifyQueue, NotifyStall: the same for the DONEs.
-	// 0: half the notify workers, half its queue, 5 s (a DONE round trip
-	// is a millisecond; its retries end within notify's own bound).
-	NotifyWorkers int
-	NotifyQueue   int
-	NotifyStall   time.Duration
-	// MaxPeers bounds the distinct peers in each stage; a request naming
-	// another fails (reason too_many_peers). 0: 1024.
-	MaxPeers int
-}
+// Peer isolation (Options.Peers): the read and notify stages are keyed by
+// prefill peer (a keyed pipeline stage, see pipeline.StageConfig.Key): a
+// request waits in its peer's queue, at most peers.Config.ReadWorkers
+// (NotifyWorkers) of one peer's requests are in the stage at once, and
+// workers serve the peers in turn, so a slow or wedged prefill rank holds
+// at most its share of the workers and the queue while requests to other
+// ranks go on. The stages' queue capacities still bound all peers together
+// (a full stage blocks its sender, as before).
 
-// Defaults of PeerLimits (see its fields).
-const (
-	DefaultReadStall   = 10 * time.Second
-	DefaultNotifyStall = 5 * time.Second
-	DefaultMaxPeers    = 1024
-)
-
-// keyed sets the peer keys of the read and notify stage configs.
-func (l PeerLimits) keyed(read, notify *pipeline.StageConfig[*job.Job]) {
-	stall := func(d, def time.Duration) time.Duration {
-		switch {
-		case d < 0:
-			return 0
-		case d == 0:
-			return def
-		}
-		return d
-	}
+// keyed sets sc's peer key and limits when sc is the read or notify stage.
+func keyed(c peers.Config, sc *pipeline.StageConfig[*job.Job]) {
 	half := func(n int) int { return max(1, n/2) }
 	pick := func(v, def, limit int) int {
 		if v <= 0 {
@@ -70,19 +29,19 @@ func (l PeerLimits) keyed(read, notify *pipeline.StageConfig[*job.Job]) {
 		}
 		return min(v, limit)
 	}
-	maxPeers := l.MaxPeers
-	if maxPeers <= 0 {
-		maxPeers = DefaultMaxPeers
+	switch sc.Name {
+	case "read":
+		sc.KeyWorkers = pick(c.ReadWorkers, max(1, sc.Workers-sc.Workers/4), sc.Workers)
+		sc.KeyQueue = pick(c.ReadQueue, half(sc.Capacity), sc.Capacity)
+		sc.KeyStall = c.ReadStall.D()
+	case "notify":
+		sc.KeyWorkers = pick(c.NotifyWorkers, half(sc.Workers), sc.Workers)
+		sc.KeyQueue = pick(c.NotifyQueue, half(sc.Capacity), sc.Capacity)
+		sc.KeyStall = c.NotifyStall.D()
+	default:
+		return
 	}
-	read.Key, notify.Key = PeerKey, PeerKey
-	read.KeyWorkers = pick(l.ReadWorkers, max(1, read.Workers-read.Workers/4), read.Workers)
-	read.KeyQueue = pick(l.ReadQueue, half(read.Capacity), read.Capacity)
-	read.KeyStall = stall(l.ReadStall, DefaultReadStall)
-	read.MaxKeys = maxPeers
-	notify.KeyWorkers = pick(l.NotifyWorkers, half(notify.Workers), notify.Workers)
-	notify.KeyQueue = pick(l.NotifyQueue, half(notify.Capacity), notify.Capacity)
-	notify.KeyStall = stall(l.NotifyStall, DefaultNotifyStall)
-	notify.MaxKeys = maxPeers
+	sc.Key, sc.MaxKeys = PeerKey, c.MaxPeers
 }
 
 // PeerKey is the prefill peer of a request: its remote engine id and the

@@ -1,10 +1,22 @@
 // Package node assembles one kvflow worker from its parts: the KV-cache
-// device (hw/npu host memory, anonymous or a shared-memory file), the
-// transfer engine (hw/mooncake's TCP engine, caches registered), the ZMQ
-// side channel (one context per process) and the role — decode's pull
-// pipeline or prefill's side-channel server and tracker.
+// device (an npu.Device: hw/npu host memory, anonymous or a shared-memory
+// file), the transfer engine (a mooncake.Engine: hw/mooncake's TCP engine,
+// caches registered), the ZMQ side channel (one context per process) and
+// the role — decode's pull pipeline or prefill's side-channel server and
+// tracker.
+//
+// Backends are chosen by config in backends.go (openDevice, openEngine)
+// and held as interfaces; what only some engines can do (read grants,
+// data-plane authentication, peer buffers, and the read stage's strided
+// and gathered reads through stages/read.Engine) is resolved once, at
+// Start. Adding a transfer backend: its package (implementing
+// mooncake.Engine and the optional interfaces it can), a case in
+// openEngine, and the name in internal/config's node.te_backend
+// validation. Adding a memory backend: its npu.Device implementation, a
+// case in openDevice, and the name in internal/config's cache.mode.
 //
 // Start either returns a running node or releases everything it opened;
 // Close shuts down in reverse order after draining the role. The package
-// only wires: every behaviour lives in the packages it assembles.
+// only wires: every behaviour, address arithmetic included, lives in the
+// packages it assembles.
 package node

@@ -161,7 +161,7 @@ func (c *ctlClient) call(msg map[string]any) (control.Reply, time.Duration) {
 // buffers full).
 func stallRead(t *testing.T, p *Node, addr, size uint64) net.Conn {
 	t.Helper()
-	conn, err := net.Dial("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(p.Engine.DataPort())))
+	conn, err := net.Dial("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(tcpEngine(t, p).DataPort())))
 	if err != nil {
 		t.Fatal(err)
 	}

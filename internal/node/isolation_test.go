@@ -39,8 +39,8 @@ func fakeSideChannel(t *testing.T, md sidechannel.Metadata, done func(string) er
 // readTimeout and sends DONEs with notify's short test timeouts.
 func isolationCluster(t *testing.T, stall, readTimeout time.Duration) *cluster {
 	return startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2)}, func(role string, c *config.Config) {
-		c.Read.PeerStall = config.Duration(stall)
-		c.Notify.PeerStall = config.Duration(stall)
+		c.Peers.ReadStall = config.Duration(stall)
+		c.Peers.NotifyStall = config.Duration(stall)
 		c.Read.Timeout = config.Duration(readTimeout)
 	})
 }
@@ -94,7 +94,7 @@ func aloneLatency(t *testing.T, c *cluster, id string, block int) time.Duration 
 // side channel answers, its transfer engine port accepts connections and
 // never answers) and then one to a healthy rank, over real sockets. The
 // wedged rank's requests hold only its share of the read stage; once it
-// is stalled (read.peer_stall) its overflow fails at once instead of
+// is stalled (peers.read_stall) its overflow fails at once instead of
 // holding the stages before read, so the healthy request finishes about
 // as fast as alone plus the stall time; every wedged request fails with a
 // reason (timeout once read.timeout passes, or peer_stalled).

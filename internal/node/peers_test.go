@@ -32,15 +32,15 @@ func debugPeers(t *testing.T, n *Node) map[string]peers.Status {
 }
 
 // TestPeerDownAndBack: a prefill rank killed is marked down after
-// read.peer_down_after failed requests; requests to it then fail at once
+// peers.down_after failed requests; requests to it then fail at once
 // (peer_down, naming the peer) instead of waiting for timeouts; once it
 // is restarted, the probe marks it up within about one probe interval
 // and requests to it succeed.
 func TestPeerDownAndBack(t *testing.T) {
 	const probe = 300 * time.Millisecond
 	c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2)}, func(role string, cfg *config.Config) {
-		cfg.Read.PeerDownAfter = 3
-		cfg.Read.PeerProbeInterval = config.Duration(probe)
+		cfg.Peers.DownAfter = 3
+		cfg.Peers.ProbeInterval = config.Duration(probe)
 	})
 	d := c.decode[0]
 	if r := pull(t, c, c.prefill[0], "warm", []int{1}, []int{1}, true); r.Err != nil {
