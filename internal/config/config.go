@@ -179,6 +179,13 @@ const (
 	// tag mooncake). Reserved: Validate rejects it (ErrBackendNotWired)
 	// until the node drives the binding.
 	BackendMooncake = "mooncake"
+	// BackendShm is the TCP engine plus same-host reads without the
+	// network (hw/shm), negotiated per peer: a prefill worker publishes
+	// its cache file and a grant table in its metadata ("same_host"); a
+	// decode worker maps the file of a peer on its host and copies from
+	// it, and reads every other peer, or one whose claim does not hold,
+	// over TCP (kvflow_shm_fallbacks_total, a warning).
+	BackendShm = "shm"
 )
 
 // Node holds this worker's listen addresses.
@@ -187,8 +194,10 @@ type Node struct {
 	// the worker's IP, get_ip()); prefill peers are dialed at the host the
 	// scheduler advertises, so in a deployment set the worker's IP.
 	SideChannelHost string `json:"side_channel_host"`
-	// TEBackend is the transfer engine: tcp. mooncake (the cgo binding) is
-	// rejected: the node does not drive it yet, whatever the build tags.
+	// TEBackend is the transfer engine: tcp, or shm (tcp plus same-host
+	// reads by mapping the peer's cache file, BackendShm). mooncake (the
+	// cgo binding) is rejected: the node does not drive it yet, whatever
+	// the build tags.
 	TEBackend string `json:"te_backend"`
 	// TEHost is the transfer engine's listen host; "" means SideChannelHost
 	// (the seed starts its engine on the same IP).

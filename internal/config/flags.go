@@ -63,7 +63,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 
 	n := &c.Node
 	fs.StringVar(&n.SideChannelHost, "side-channel-host", n.SideChannelHost, "side channel bind address, the worker's IP (node.side_channel_host)")
-	fs.StringVar(&n.TEBackend, "te-backend", n.TEBackend, "transfer engine: tcp; mooncake (the cgo binding) is rejected until the node drives it (node.te_backend)")
+	fs.StringVar(&n.TEBackend, "te-backend", n.TEBackend, "transfer engine: tcp, or shm (tcp plus same-host reads by mapping the peer's cache file, negotiated per peer); mooncake (the cgo binding) is rejected until the node drives it (node.te_backend)")
 	fs.StringVar(&n.TEHost, "te-host", n.TEHost, "transfer engine listen host; empty = side channel host (node.te_host)")
 	fs.IntVar(&n.TEPort, "te-port", n.TEPort, "transfer engine RPC port, 0 = any free (node.te_port)")
 	fs.StringVar(&n.Control, "control", n.Control, "control socket endpoint; empty derives ipc:///tmp/kvflow-... (node.control)")

@@ -194,10 +194,14 @@ func (c Config) validateNode(v *validator) {
 	host("node.side_channel_host", n.SideChannelHost, false)
 	switch n.TEBackend {
 	case BackendTCP:
+	case BackendShm:
+		if c.Role() == Prefill && c.Cache.Mode == CacheAnonymous {
+			v.add("node.te_backend", "shm on a prefill worker needs its cache in a file (cache.mode shm or shm_attach), not %s memory", CacheAnonymous)
+		}
 	case BackendMooncake:
 		v.add("node.te_backend", "%s", ErrBackendNotWired)
 	default:
-		v.add("node.te_backend", "must be %s, got %q", BackendTCP, n.TEBackend)
+		v.add("node.te_backend", "must be %s or %s, got %q", BackendTCP, BackendShm, n.TEBackend)
 	}
 	host("node.te_host", n.TEHost, true)
 	if n.TEPort < 0 || n.TEPort > 65535 {

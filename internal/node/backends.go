@@ -45,7 +45,7 @@ func openDevice(cfg config.Config, layout npu.Layout, shape npu.Shape, log *slog
 // openEngine starts the transfer engine cfg.Node.TEBackend names.
 func openEngine(cfg config.Config, deps Deps, log *slog.Logger) (mooncake.Engine, error) {
 	switch cfg.Node.TEBackend {
-	case "", config.BackendTCP:
+	case "", config.BackendTCP, config.BackendShm: // shm: TCP for every peer whose same-host claim does not hold
 	default:
 		// Validate rejects it too; the node runs only the tcp engine.
 		return nil, fmt.Errorf("node.te_backend %q: %w", cfg.Node.TEBackend, config.ErrBackendNotWired)
