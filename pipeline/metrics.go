@@ -121,7 +121,7 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) (*metrics, e
 			"Items that reached the sink, by outcome (done, failed, canceled).", []string{"outcome"}, nil),
 		rejected: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvflow_stage_rejected_total",
-			Help: "Non-blocking submissions rejected because the stage's queue was full.",
+			Help: "Items refused by the stage: non-blocking submissions when its queue was full, and, in a keyed stage, items of a new key beyond its max keys or over a stalled key's queue bound.",
 		}, []string{"stage"}),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "kvflow_stage_duration_seconds",
