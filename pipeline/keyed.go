@@ -223,11 +223,11 @@ func (q *keyed[T]) put(e envelope[T], sw sendWait, blocked *blockedClock, block 
 		if q.stall > 0 && ks.running > 0 {
 			left := ks.progress.Add(q.stall).Sub(now)
 			if left <= 0 {
-				n, r := ks.len(), ks.running
+				n, r, since := ks.len(), ks.running, now.Sub(ks.progress)
 				q.mu.Unlock()
 				<-q.room
 				return fmt.Errorf("stage %s: key %q: %w: %d waiting, %d running, none ended well in %v",
-					q.name, k, ErrKeyStalled, n, r, now.Sub(ks.progress).Round(time.Millisecond))
+					q.name, k, ErrKeyStalled, n, r, since.Round(time.Millisecond))
 			}
 			timer = time.NewTimer(left)
 		}
