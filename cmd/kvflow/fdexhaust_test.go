@@ -25,6 +25,7 @@ import (
 
 	"github.com/kvflow/kvflow/hw/mooncake"
 	"github.com/kvflow/kvflow/internal/config"
+	"github.com/kvflow/kvflow/internal/workers"
 )
 
 // The worker's descriptor limit in TestServeDataPortFDExhaustion: the
@@ -48,7 +49,13 @@ func TestServeDataPortFDExhaustion(t *testing.T) {
 	dir := t.TempDir()
 	cfg := config.Example(config.Prefill)
 	cfg.Model.NumBlocks, cfg.Model.NumLayers, cfg.Model.BlockSize = 8, 2, 16
-	cfg.KVTransfer.KVPort = config.Port(20000 + (os.Getpid()+7919)%20000)
+	// A port checked free now (a port derived from the pid collided with
+	// ephemeral ports of other tests' connections: exit 2, "address in use").
+	kvPort, err := workers.FreePorts(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.KVTransfer.KVPort = config.Port(kvPort)
 	cfg.Node.SideChannelHost, cfg.Node.TEHost, cfg.Node.TEPort = "127.0.0.1", "127.0.0.1", 0
 	cfg.Node.Control = "ipc://" + filepath.Join(dir, "p.sock")
 	cfg.Node.MetricsAddr = "127.0.0.1:0"
