@@ -376,18 +376,23 @@ def case_transfer(mod, scenario, partition, engine_return, prefill_tp, prefill_p
               "local_kv_caches_base_addr": local_bases(num_layers, cpl)}
     head = {"scenario": scenario, "vllm_pp_layer_partition": partition,
             "engine_return": engine_return, "thread": thread, "req_meta": dict(req_meta)}
-    try:
-        th._transfer_kv_cache(dict(req_meta))
+    def fetched():
+        """What the seed cached from its GET_META_MSG (None: never asked)."""
         port = req_meta["remote_handshake_port"]
         eng = req_meta["remote_engine_id"]
-        fetched = None  # what the seed cached from its GET_META_MSG (None: never asked)
         if eng in th.kv_caches_base_addr and port in th.kv_caches_base_addr[eng]:
-            fetched = {"kv_caches_base_addr": th.kv_caches_base_addr[eng][port],
-                       "te_rpc_port": th.remote_te_port[eng][port]}
-        out = dict(head, remote_metadata=fetched,
+            return {"kv_caches_base_addr": th.kv_caches_base_addr[eng][port],
+                    "te_rpc_port": th.remote_te_port[eng][port]}
+        return None
+    try:
+        th._transfer_kv_cache(dict(req_meta))
+        out = dict(head, remote_metadata=fetched(),
             expect={"batch_transfer_sync_read": STATE.transfers, "cat_kv_cache": cats}), None
     except Exception as e:
-        out = None, dict(head, **exc_fields(e), batch_transfer_sync_read=STATE.transfers)
+        # remote_metadata here too, so a reader of the raising case needs no
+        # address convention to check the reads made before the raise.
+        out = None, dict(head, **exc_fields(e), remote_metadata=fetched(),
+                         batch_transfer_sync_read=STATE.transfers)
     STATE.peer = None
     set_partition(None)
     return out
