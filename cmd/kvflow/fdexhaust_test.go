@@ -115,6 +115,10 @@ func TestServeDataPortFDExhaustion(t *testing.T) {
 	if !strings.Contains(stderr.String(), `"soft":1024,"hard":1024`) {
 		t.Errorf("worker did not log its open files limit 1024/1024:\n%s", stderr.String())
 	}
+	// Grants off (set above) is warned at start, saying what it exposes (#19).
+	if !regexp.MustCompile(`"level":"WARN","msg":"read.grants=off: any peer that reaches the transfer engine's data port can read every registered block`).MatchString(stderr.String()) {
+		t.Errorf("worker with read.grants off did not warn at start:\n%s", stderr.String())
+	}
 
 	// A legitimate peer: one lane, opened by a read before the flood.
 	meta := getMeta(t, sideChannel)
