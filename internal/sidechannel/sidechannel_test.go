@@ -912,3 +912,39 @@ func TestUnresolvableHostNamed(t *testing.T) {
 		t.Fatalf("GetMeta(127.0.0.1:1) = %v", err)
 	}
 }
+
+// TestBadHostFailsNoPanic: a host libzmq refuses to connect to (a space, a
+// NUL, a bare colon: values a router may hand over as remote_host) fails the
+// call with the endpoint named. It once crashed the process: newConn's
+// cleanup closed a nil conn after the failed connect.
+func TestBadHostFailsNoPanic(t *testing.T) {
+	zctx, err := NewContext(ContextOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer zctx.Close()
+	opts := fastClientOpts()
+	opts.Attempts, opts.AttemptTimeout = 1, 100*time.Millisecond
+	c, err := NewClient(zctx, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	for _, host := range []string{"a b\x00c", "a b", "bad\x00host", "x:y:z", "%zz", "[::1"} {
+		_, err := c.GetMeta(context.Background(), net.JoinHostPort(host, "20001"))
+		if err == nil {
+			t.Errorf("GetMeta(%q) succeeded", host)
+			continue
+		}
+		if err := c.SendDone(context.Background(), net.JoinHostPort(host, "20001"), "r"); err == nil {
+			t.Errorf("SendDone(%q) succeeded", host)
+		}
+	}
+	// The client still works for a good peer afterwards.
+	if _, err := c.GetMeta(context.Background(), "127.0.0.1:1"); !errors.Is(err, ErrTimeout) {
+		t.Fatalf("GetMeta(127.0.0.1:1) after bad hosts = %v", err)
+	}
+	if n := zctx.OpenSockets(); n > 3 {
+		t.Errorf("%d sockets open after failed connects: leaked", n)
+	}
+}
