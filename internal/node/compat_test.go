@@ -2,6 +2,7 @@ package node
 
 import (
 	"context"
+	"encoding/hex"
 	"fmt"
 	"math/rand/v2"
 	"slices"
@@ -348,6 +349,9 @@ func TestCompatBadFingerprint(t *testing.T) {
 		{"block_size str", "81a5636163686581aa626c6f636b5f73697a65a23136", "kvflow.cache.block_size"},
 		{"layers huge", "81a5636163686581a66c6179657273cf0000010000000000", "kvflow.cache.layers"},
 		{"cache nil", "81a5636163686" + "5c0", "kvflow.cache"},
+		// {"lease_ttl_ms": 1}: valid msgpack, but a lease no kvflow prefill
+		// advertises (a renew busy loop on this decode).
+		{"lease 1 ms", "81ac" + hex.EncodeToString([]byte("lease_ttl_ms")) + "01", "kvflow.lease_ttl_ms is 1, below the 50"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			meta := append(append(append([]byte(nil), head...), 0xa6), "kvflow"...)
