@@ -797,25 +797,36 @@ func TestOptionsValidate(t *testing.T) {
 	}
 }
 
+// BenchmarkGetMetaLoopback: one GET_META round trip, straight to the
+// ROUTER and through the front the node puts on the port (Limits).
 func BenchmarkGetMetaLoopback(b *testing.B) {
-	zctx, err := NewContext(ContextOptions{})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer zctx.Close()
-	s, err := NewServer(zctx, ServerOptions{Addr: "127.0.0.1:0"}, &recorder{md: testMeta})
-	if err != nil {
-		b.Fatal(err)
-	}
-	c, err := NewClient(zctx, ClientOptions{})
-	if err != nil {
-		b.Fatal(err)
-	}
-	ctx := context.Background()
-	for b.Loop() {
-		if _, err := c.GetMeta(ctx, s.Addr()); err != nil {
-			b.Fatal(err)
-		}
+	for _, bc := range []struct {
+		name string
+		lim  *Limits
+	}{{"direct", nil}, {"front", &DefaultLimits}} {
+		b.Run(bc.name, func(b *testing.B) {
+			zctx, err := NewContext(ContextOptions{})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer zctx.Close()
+			s, err := NewServer(zctx, ServerOptions{Addr: "127.0.0.1:0", Limits: bc.lim}, &recorder{md: testMeta})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer s.Close()
+			c, err := NewClient(zctx, ClientOptions{})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer c.Close()
+			ctx := context.Background()
+			for b.Loop() {
+				if _, err := c.GetMeta(ctx, s.Addr()); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
 	}
 }
 
