@@ -16,15 +16,21 @@ import (
 // rank at TP 1 (issue 24): the decode rank needs half of every token row
 // of the prefill blocks (4 of 8 KV heads × 128, bf16, block 128: 1 KiB of
 // each 2 KiB row), 8 layers × K/V × 16 blocks = 32 MiB per request, over
-// TCPEngine on loopback. Two ways, each verified once:
+// TCPEngine on loopback. Three ways, each verified once:
 //
 //   - rows: the planner's head-split reads (plan.Task.HeadSplit), one op
 //     per token row, 1 KiB each (32,768 ops), straight into the decode
 //     cache: only the bytes needed cross the wire.
 //   - whole+slice: whole prefill blocks (contiguous runs, 64 MiB) into a
 //     registered scratch cache, then each row's slice copied locally.
+//   - strided: the same rows in their strided form (plan.Reads.AppendGather:
+//     one op per tensor and block run, 16 ops of 2 MiB) through
+//     BatchReadGather: kvflow's strided READ, each request up to 4 MiB of
+//     rows the target gathers (writev) into one contiguous answer that lands
+//     straight in the decode cache. What the read stage does by default
+//     with the TCP engine.
 //
-// MB/s is the useful 32 MiB per request in both.
+// MB/s is the useful 32 MiB per request in all three.
 //
 //	go test -run '^$' -bench 'HeadSlice$' -benchtime 20x ./bench/
 func BenchmarkHeadSlice(b *testing.B) {
@@ -133,6 +139,37 @@ func BenchmarkHeadSlice(b *testing.B) {
 		b.ReportMetric(float64(len(ops)), "ops/req")
 		for b.Loop() {
 			if err := cli.BatchRead(ctx, srv.SessionID(), ops); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("strided", func(b *testing.B) {
+		topo := plan.Topology{Prefill: plan.Parallel{TP: 1, PP: 1, DP: 1}, Decode: plan.Parallel{TP: 2, PP: 1, DP: 1},
+			Model: plan.Model{NumLayers: pshape.NumLayers, NumKVHeads: pshape.NumKVHeads}}
+		p, err := plan.PlanRequest(topo, plan.Rank{TP: slice}, plan.Request{ID: "r", LocalBlockIDs: ids, RemoteBlockIDs: ids, RemotePort: 30000})
+		if err != nil {
+			b.Fatal(err)
+		}
+		layout := plan.CacheLayout{BlockLen: []uint64{uint64(dl.BlockLen(0))}, CachesPerLayer: 2, BlockSize: dshape.BlockSize}
+		var rd plan.Reads
+		if err := rd.Build(layout, p.Tasks[0], plan.Caches{Base: dst.BaseAddrs(), NumBlocks: nblocks}, plan.Caches{Base: src.BaseAddrs(), NumBlocks: nblocks}); err != nil {
+			b.Fatal(err)
+		}
+		row, pitch, ok := rd.GatherStride()
+		if !ok {
+			b.Fatal("no strided form")
+		}
+		ops := toOps(rd.AppendGather(nil))
+		g := mooncake.Stride{Row: row, Pitch: pitch}
+		clear(dst.Data())
+		if err := cli.BatchReadGather(ctx, srv.SessionID(), ops, g); err != nil {
+			b.Fatal(err)
+		}
+		verify(b)
+		b.SetBytes(useful)
+		b.ReportMetric(float64(len(ops)), "ops/req")
+		for b.Loop() {
+			if err := cli.BatchReadGather(ctx, srv.SessionID(), ops, g); err != nil {
 				b.Fatal(err)
 			}
 		}

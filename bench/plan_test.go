@@ -45,7 +45,7 @@ func planCases() []planCase {
 //     gives). Nothing on the request path does this any more: the read
 //     stage hands the compact reads to the transfer adapter, which expands
 //     them once, straight into the engine's own op list
-//     (internal/node.appendEngineOps; BenchmarkEngineOps there compares it
+//     (stages/read.AppendEngineOps; BenchmarkEngineOps there compares it
 //     with the former AppendOps-then-copy path). It is timed here so the
 //     former figure (planning + expansion) stays visible.
 //

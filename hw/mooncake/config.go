@@ -75,6 +75,12 @@ type TCPConfig struct {
 	// ProtoVersion is the tcp_proto_version advertised to peers: 2 (status
 	// frames). 1 exists to exercise legacy framing in tests.
 	ProtoVersion int
+	// NoKvflowOps makes the engine speak Mooncake's protocol only: it
+	// neither advertises nor serves nor sends kvflow's strided READ
+	// (BatchReadGather then reads row by row). Off by default: the op is
+	// negotiated per peer in the handshake, so Mooncake peers never see it
+	// anyway (doc.go, "kvflow's strided READ").
+	NoKvflowOps bool
 
 	// What a peer that reaches the data or RPC port can hold; see
 	// doc.go, "Connections an outsider can open". Every refusal is counted

@@ -18,6 +18,17 @@
 // node does not drive it yet (config validation rejects node.te_backend
 // "mooncake").
 //
+// # One interface, optional capabilities
+//
+// Engine is what every backend implements. What only some can do is an
+// optional interface a caller resolves once, when it wires the engine
+// (stages/read.Engine, internal/node), never per call: StridedReader
+// (local strided rows: the fused head transpose), GatherReader (strided
+// remote rows: head slices), LedgerReader (per-op landed bytes: the cgo
+// engine), SegmentReader (a peer's registered buffers), Granter (read
+// grants) and PeerAuthenticator (data-plane credentials). The TCP engine
+// has all but LedgerReader; the cgo engine has LedgerReader only.
+//
 // # Contract
 //
 //   - Register refuses zero-length, wrapping, overlapping and duplicate
@@ -104,6 +115,11 @@
 // READ is outstanding on the lane. Reads of more than 64 KiB land
 // straight in the destination memory and writes leave straight from the
 // source (no staging copies), in socket I/O of up to ChunkSize (4 MiB).
+// BatchReadGather (GatherReader) reads each op's bytes from strided remote
+// rows into contiguous local memory: to a peer that negotiated kvflow's
+// strided READ (below), as requests of whole rows up to ChunkSize, each
+// answered with its rows back to back and read straight into place; to
+// any other peer, as one READ per row.
 // BatchReadStrided (StridedReader) sends the same requests but copies
 // each answer out of the lane's buffer row by row to strided places
 // (Stride): the decode side's head transpose, fused into the copy the
@@ -113,6 +129,37 @@
 // they run at about 3.5x an ordinary copy of 512-byte rows
 // (BenchmarkScatterRows), since no line is read before it is overwritten. Completion is a channel close: nothing spins or polls. Every goroutine
 // is owned by the engine and waited for in Close.
+//
+// # kvflow's strided READ (kvflow ↔ kvflow, negotiated)
+//
+// A decode rank whose TP is above the prefill's needs one slice of every
+// token row of the prefill's blocks (a head slice): with Mooncake's READ,
+// one request per row (1 KiB at TP 1 → 2 on Llama-8B-like shapes). kvflow
+// adds one data-port op, never sent to a peer that did not advertise it:
+//
+//   - Negotiation, in the RPC handshake's segment descriptors: a kvflow
+//     initiator's descriptor carries "kvflow_ops":1 (KvflowOpStridedRead;
+//     the key sorts between "buffers" and "name", and is absent when 0).
+//     A kvflow target puts the field in its reply only when the request
+//     carried it, so a Mooncake initiator gets Mooncake's descriptor byte
+//     for byte (TestGatherNegotiation); a Mooncake target ignores the
+//     unknown key (its decoder reads the keys it knows) and its reply has
+//     none, so the initiator reads it row by row. TCPConfig.NoKvflowOps
+//     neither advertises, nor serves, nor sends the op.
+//   - Request: the 24-byte header {size = rows × row, addr = first row,
+//     opcode 0x82 (2 with the v2 bit; v2 only)} then {uint64 row; uint64
+//     pitch}: StridedHeaderSize bytes. Answer: a READ's, v2 status then
+//     size bytes, the rows back to back.
+//   - The target checks the whole span, from addr to the last row's end
+//     ((rows-1) × pitch + row), exactly as a READ of that span: inside one
+//     registered region, and (ReadGrants) covered by grants, held while it
+//     answers. A row of 0 bytes, a size that is not whole rows, rows that
+//     overlap (pitch < row), or a span that overflows or wraps is refused
+//     (reason bad_strided) before any lookup (ParseStrided, fuzzed); so is
+//     the opcode without v2, and any strided request to a target with
+//     NoKvflowOps (bad_opcode, as Mooncake would). The answer goes out by
+//     writev straight from registered memory, at most 1024 rows or
+//     ChunkSize bytes per write.
 //
 // # Connections an outsider can open
 //
@@ -203,7 +250,9 @@
 // peer's write unless AcceptWrites is on; with RequireAuth, never read a
 // request or answer a handshake before the peer proved its credential,
 // and never send a token on the wire; never allocate a
-// frame larger than the cap before validating its length; never decode
+// frame larger than the cap before validating its length; never send
+// kvflow's strided READ to a peer whose handshake did not advertise it, or
+// advertise it to an initiator that did not advertise its own; never decode
 // addresses through float64; never spin a core waiting; never leave a
 // goroutine running after Close; never return from a batch while a lane
 // may still touch its memory; never panic on peer input.

@@ -57,6 +57,61 @@ type StridedReader interface {
 	BatchReadStrided(ctx context.Context, session string, ops []Op, s Stride) error
 }
 
+// GatherReader is an Engine that can read each op's bytes from strided
+// remote rows into contiguous local memory: a decode rank whose TP is
+// above the prefill's reads one head slice of every token row of a
+// prefill block. The TCP engine is one (kvflow's strided READ with peers
+// that negotiated it, a READ per row with others); Mooncake's C API has no
+// such transfer.
+type GatherReader interface {
+	Engine
+	// BatchReadGather is BatchRead with every op's Length bytes taken
+	// from rows of g.Row bytes, g.Pitch apart, from its Remote: byte i
+	// of the op comes from Remote + (i/g.Row)*g.Pitch + i%g.Row and lands
+	// at Local + i (g.Validate(ops) must hold).
+	BatchReadGather(ctx context.Context, session string, ops []Op, g Stride) error
+}
+
+// LedgerReader is an Engine that reports, per op, the bytes that landed in
+// local memory (Mooncake's transferred_bytes): the cgo engine. A caller
+// reconciles them with what it posted (stages/read does), so a transfer
+// reported complete but short is caught. The TCP engine's batches are
+// all-or-nothing and it is not one.
+type LedgerReader interface {
+	Engine
+	// BatchReadLedger is BatchRead that also sets landed[i] to the bytes
+	// of ops[i] that landed; len(landed) == len(ops).
+	BatchReadLedger(ctx context.Context, session string, ops []Op, landed []uint64) error
+}
+
+// Granter is an Engine that serves peers only the ranges granted to them
+// (the TCP engine with TCPConfig.ReadGrants): a prefill worker grants a
+// request's blocks from its engine's send until its DONEs.
+type Granter interface {
+	Engine
+	// Grant makes the ranges readable; each Grant needs its own revoke.
+	Grant(ranges ...Range) error
+	// RevokeAsync drops one grant of each range at once; the channel is
+	// closed once no read of the bytes it ungranted is in flight.
+	RevokeAsync(ranges ...Range) (<-chan struct{}, error)
+	// GrantAll makes every registered range readable until RevokeAll.
+	GrantAll()
+	RevokeAll() error
+}
+
+// PeerAuthenticator is an Engine with kvflow's data-plane authentication
+// (doc.go): it issues credentials to the clients its side channel admits,
+// and presents the ones it was given to the peers that issued them.
+type PeerAuthenticator interface {
+	Engine
+	// AuthToken is the credential of a client's CURVE public key; nil when
+	// the engine requires no authentication.
+	AuthToken(key []byte) *[AuthTokenSize]byte
+	// SetPeerCredential sets (nil: clears) the credential presented to
+	// session.
+	SetPeerCredential(session string, cred *Credential) error
+}
+
 // SegmentReader is an Engine that can list a peer's registered buffers from
 // the segment descriptor of its handshake (the TCP engine): a decode worker
 // checks a peer whose side channel sends no cache fingerprint against it.

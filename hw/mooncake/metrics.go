@@ -21,6 +21,7 @@ const (
 	reasonBadOpcode    = "bad_opcode"
 	reasonZeroLength   = "zero_length"
 	reasonWriteRefused = "write_refused"
+	reasonBadStrided   = "bad_strided" // a malformed kvflow strided READ
 )
 
 type metrics struct {
@@ -141,7 +142,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	}
 	m.conns.WithLabelValues(roleInitiator)
 	m.conns.WithLabelValues(roleTarget)
-	for _, r := range []string{reasonUnregistered, reasonNotGranted, reasonWriteRefused, reasonBadOpcode, reasonZeroLength} {
+	for _, r := range []string{reasonUnregistered, reasonNotGranted, reasonWriteRefused, reasonBadOpcode, reasonZeroLength, reasonBadStrided} {
 		m.rejected.WithLabelValues(r)
 	}
 	return m

@@ -180,9 +180,16 @@ func (e *TCPEngine) GrantAll() { e.grants.grantAll() }
 // RevokeAll ends one GrantAll, at once.
 func (e *TCPEngine) RevokeAll() error { return e.grants.revokeAll() }
 
-// Segment is the descriptor this engine sends in handshakes.
+// Segment is the descriptor this engine sends in handshakes: as an
+// initiator always; as a target with KvflowOps cleared unless the
+// initiator's descriptor carried some (serveRPC).
 func (e *TCPEngine) Segment() *SegmentDesc {
+	var ops uint32
+	if !e.cfg.NoKvflowOps && e.cfg.ProtoVersion >= 2 {
+		ops = KvflowOpStridedRead
+	}
 	return &SegmentDesc{
+		KvflowOps:       ops,
 		Buffers:         e.regions.buffers(),
 		Name:            e.session,
 		Protocol:        "tcp",
@@ -368,7 +375,17 @@ func (e *TCPEngine) serveRPC(c net.Conn) {
 	var reply []byte
 	switch t {
 	case FrameMetadata:
-		reply = EncodeSegment(e.Segment())
+		seg := e.Segment()
+		// kvflow's ops are advertised only to an initiator that
+		// advertised its own: a Mooncake initiator gets Mooncake's
+		// descriptor.
+		var req struct {
+			KvflowOps uint32 `json:"kvflow_ops"`
+		}
+		if json.Unmarshal(payload, &req) != nil || req.KvflowOps == 0 {
+			seg.KvflowOps = 0
+		}
+		reply = EncodeSegment(seg)
 		if len(reply)+1 > DefaultMaxFrame {
 			e.log.Warn("handshake: segment descriptor exceeds Mooncake's default frame cap", "bytes", len(reply))
 		}
@@ -395,3 +412,12 @@ func (e *TCPEngine) serveRPC(c net.Conn) {
 	// Wait for the peer's close (bounded by the deadline).
 	io.Copy(io.Discard, io.LimitReader(c, 1<<10))
 }
+
+// The TCP engine's optional capabilities.
+var (
+	_ GatherReader      = (*TCPEngine)(nil)
+	_ StridedReader     = (*TCPEngine)(nil)
+	_ SegmentReader     = (*TCPEngine)(nil)
+	_ Granter           = (*TCPEngine)(nil)
+	_ PeerAuthenticator = (*TCPEngine)(nil)
+)

@@ -18,7 +18,23 @@ import (
 
 // BatchRead implements Engine.
 func (e *TCPEngine) BatchRead(ctx context.Context, session string, ops []Op) error {
-	return e.batch(ctx, session, ops, OpcodeRead, Stride{})
+	return e.batch(ctx, session, ops, OpcodeRead, Stride{}, Stride{})
+}
+
+// BatchReadGather implements GatherReader. To a peer whose handshake
+// advertised kvflow's strided READ (KvflowOpStridedRead) each op goes out
+// as strided requests of whole rows, up to ChunkSize each, answered
+// contiguously; to any other peer (Mooncake's engines, kvflow with
+// NoKvflowOps) as one READ per row.
+func (e *TCPEngine) BatchReadGather(ctx context.Context, session string, ops []Op, g Stride) error {
+	if err := g.Validate(ops); err != nil {
+		errs := make([]error, len(ops))
+		for i := range errs {
+			errs[i] = fmt.Errorf("%w: %w", ErrNotAttempted, err)
+		}
+		return &BatchError{Session: session, Dir: dirRead, Ops: ops, Errs: errs}
+	}
+	return e.batch(ctx, session, ops, OpcodeRead, Stride{}, g)
 }
 
 // BatchReadStrided implements StridedReader. The wire requests are the
@@ -32,12 +48,12 @@ func (e *TCPEngine) BatchReadStrided(ctx context.Context, session string, ops []
 		}
 		return &BatchError{Session: session, Dir: dirRead, Ops: ops, Errs: errs}
 	}
-	return e.batch(ctx, session, ops, OpcodeRead, s)
+	return e.batch(ctx, session, ops, OpcodeRead, s, Stride{})
 }
 
 // BatchWrite implements Engine.
 func (e *TCPEngine) BatchWrite(ctx context.Context, session string, ops []Op) error {
-	return e.batch(ctx, session, ops, OpcodeWrite, Stride{})
+	return e.batch(ctx, session, ops, OpcodeWrite, Stride{}, Stride{})
 }
 
 // batch is one BatchRead/BatchWrite call in flight.
@@ -45,6 +61,7 @@ type batch struct {
 	ctx       context.Context
 	opcode    uint8
 	stride    Stride         // Row > 0: READ answers land in strided rows
+	gather    Stride         // Row > 0: READs come from strided remote rows
 	left      []atomic.Int32 // requests still outstanding per op
 	pending   atomic.Int64   // requests still outstanding in all
 	done      chan struct{}  // closed when pending reaches zero
@@ -94,6 +111,9 @@ type task struct {
 	// then the first one's).
 	segs  []seg
 	tries int // times sent again after another request broke its lane
+	// strided: a kvflow strided READ of length/b.gather.Row rows from
+	// remote (OpcodeReadStrided), answered contiguously into local.
+	strided bool
 }
 
 // seg is one op's local range within a merged READ: length bytes from
@@ -130,7 +150,7 @@ func dirName(opcode uint8) string {
 	return dirRead
 }
 
-func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode uint8, stride Stride) (err error) {
+func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode uint8, stride, gather Stride) (err error) {
 	dir := dirName(opcode)
 	start := time.Now()
 	defer func() {
@@ -143,7 +163,7 @@ func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode 
 	if len(ops) == 0 {
 		return nil
 	}
-	b := &batch{ctx: ctx, opcode: opcode, stride: stride, left: make([]atomic.Int32, len(ops)), done: make(chan struct{}), errs: make([]error, len(ops))}
+	b := &batch{ctx: ctx, opcode: opcode, stride: stride, gather: gather, left: make([]atomic.Int32, len(ops)), done: make(chan struct{}), errs: make([]error, len(ops))}
 	batchErr := func() error {
 		return &BatchError{Session: session, Dir: dir, Ops: ops, Errs: b.errs}
 	}
@@ -166,7 +186,11 @@ func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode 
 	}()
 	bad := false
 	for i, op := range ops {
-		if err := checkRange(op.Remote, op.Length); err != nil {
+		remote := op.Length
+		if gather.Row > 0 {
+			remote = gather.Extent(op.Length)
+		}
+		if err := checkRange(op.Remote, remote); err != nil {
 			b.errs[i], bad = fmt.Errorf("remote: %w", err), true
 			continue
 		}
@@ -193,7 +217,13 @@ func (e *TCPEngine) batch(ctx context.Context, session string, ops []Op, opcode 
 		return failAll(err)
 	}
 
-	tasks := splitOps(b, ops, uint64(e.cfg.ChunkSize), p.buffers())
+	bufs, strided := p.layout()
+	var tasks []task
+	if gather.Row > 0 {
+		tasks = splitGather(b, ops, uint64(e.cfg.ChunkSize), strided && !e.cfg.NoKvflowOps)
+	} else {
+		tasks = splitOps(b, ops, uint64(e.cfg.ChunkSize), bufs)
+	}
 	b.tasks = tasks
 	pieces := 0
 	for i := range tasks {
@@ -294,6 +324,43 @@ func splitOps(b *batch, ops []Op, chunk uint64, bufs []BufferDesc) []task {
 			b.left[i].Add(1)
 		}
 		i = j
+	}
+	return tasks
+}
+
+// splitGather turns a gather batch's ops (b.gather) into requests: with
+// strided on (the peer serves kvflow's strided READ), requests of whole
+// rows and at most chunk bytes (at least one row); otherwise one READ per
+// row, split at chunk. Each op's outstanding count (b.left) is set.
+func splitGather(b *batch, ops []Op, chunk uint64, strided bool) []task {
+	g := b.gather
+	per := max(1, chunk/g.Row) // rows per strided request
+	n := 0
+	for _, op := range ops {
+		rows := op.Length / g.Row
+		if strided {
+			n += int((rows + per - 1) / per)
+		} else {
+			n += int(rows * ((g.Row + chunk - 1) / chunk))
+		}
+	}
+	tasks := make([]task, 0, n)
+	for i, op := range ops {
+		rows := op.Length / g.Row
+		for r := uint64(0); r < rows; {
+			if strided {
+				k := min(per, rows-r)
+				tasks = append(tasks, task{b: b, op: i, local: op.Local + r*g.Row, remote: op.Remote + r*g.Pitch, length: k * g.Row, strided: true})
+				b.left[i].Add(1)
+				r += k
+				continue
+			}
+			for off := uint64(0); off < g.Row; off += chunk {
+				tasks = append(tasks, task{b: b, op: i, local: op.Local + r*g.Row + off, remote: op.Remote + r*g.Pitch + off, length: min(chunk, g.Row-off)})
+				b.left[i].Add(1)
+			}
+			r++
+		}
 	}
 	return tasks
 }
@@ -595,12 +662,27 @@ func (e *TCPEngine) handshake(ctx context.Context, host string, port int) (*Segm
 	return DecodeSegment(payload)
 }
 
-// target returns the data address and framing to use, and the
-// handshake generation they belong to.
-func (p *peer) target() (string, bool, uint64) {
+// target returns the data address and framing to use, whether the peer
+// serves kvflow's strided READ, and the handshake generation they belong
+// to.
+func (p *peer) target() (addr string, v2, strided bool, gen uint64) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.dataAddr, p.desc != nil && p.desc.TCPProtoVersion >= 2, p.gen.Load()
+	v2 = p.desc != nil && p.desc.TCPProtoVersion >= 2
+	strided = v2 && p.desc.KvflowOps&KvflowOpStridedRead != 0 && !p.e.cfg.NoKvflowOps
+	return p.dataAddr, v2, strided, p.gen.Load()
+}
+
+// layout returns the peer's registered buffers (see buffers) and whether
+// it serves kvflow's strided READ (its descriptor advertised it, with
+// status frames).
+func (p *peer) layout() ([]BufferDesc, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.desc == nil {
+		return nil, false
+	}
+	return p.desc.Buffers, p.desc.KvflowOps&KvflowOpStridedRead != 0 && p.desc.TCPProtoVersion >= 2
 }
 
 // buffers returns the peer's registered buffers from its segment
@@ -622,6 +704,10 @@ func (p *peer) markStale() {
 	p.mu.Unlock()
 }
 
+// errStridedGone: a strided READ for a peer whose current handshake no
+// longer advertises the op.
+var errStridedGone = errors.New("peer no longer serves kvflow's strided READ (re-handshaken); read again")
+
 // errAborted: interrupt cut the lane's connection because a batch with a
 // request on it was cancelled.
 var errAborted = errors.New("lane aborted for a cancelled batch")
@@ -642,6 +728,7 @@ type lane struct {
 	mu      sync.Mutex // guards the fields below and deadline updates
 	conn    net.Conn
 	v2      bool
+	strided bool // conn's peer advertised kvflow's strided READ (at dial)
 	closing bool
 	aborted bool      // interrupt cut conn for a cancelled batch
 	win     []*task   // requests sent on conn and not yet finished, oldest first
@@ -752,6 +839,13 @@ func (l *lane) admit(t *task) bool {
 			return false
 		}
 	}
+	if t.strided && !l.strided {
+		// Split for a peer that advertised the op; the process behind
+		// this connection's handshake did not (a restart in between):
+		// it never sees the op.
+		t.finish(fmt.Errorf("%s: %w", l.p.session, errStridedGone))
+		return false
+	}
 	// Checked again under mu: interrupt, which runs after cancelled is
 	// set, either sees t in win or t sees cancelled here.
 	l.mu.Lock()
@@ -768,6 +862,14 @@ func (l *lane) admit(t *task) bool {
 // send admits READ t and queues its header for the next flush.
 func (l *lane) send(t *task) {
 	if !l.admit(t) {
+		return
+	}
+	if t.strided { // admit checked that conn's peer serves it (v2 only)
+		g := t.b.gather
+		var sb [StridedHeaderSize]byte
+		PutStrided(&sb, StridedRead{Addr: t.remote, Row: g.Row, Pitch: g.Pitch, Rows: t.length / g.Row})
+		l.hdrs = append(l.hdrs, sb[:]...)
+		l.wbytes += t.length
 		return
 	}
 	var hb [HeaderSize]byte
@@ -1066,7 +1168,7 @@ func (l *lane) dropConn() {
 
 func (l *lane) dial(b *batch) error {
 	e := l.p.e
-	addr, v2, gen := l.p.target()
+	addr, v2, strided, gen := l.p.target()
 	ctx, cancel := context.WithTimeout(b.ctx, e.cfg.ConnectTimeout)
 	defer cancel()
 	defer context.AfterFunc(e.ctx, cancel)()
@@ -1090,7 +1192,7 @@ func (l *lane) dial(b *batch) error {
 		c.Close()
 		return ErrClosed
 	}
-	l.conn, l.v2, l.armedAt, l.gen = c, v2, time.Time{}, gen
+	l.conn, l.v2, l.strided, l.armedAt, l.gen = c, v2, strided, time.Time{}, gen
 	l.mu.Unlock()
 	if l.br == nil {
 		l.br = bufio.NewReaderSize(c, laneBuf)

@@ -3,6 +3,7 @@ package mooncake
 import (
 	"bufio"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -94,6 +95,7 @@ func (e *TCPEngine) serveData(c net.Conn) {
 		}
 	}()
 	var hb [HeaderSize]byte
+	var iov net.Buffers // a strided answer's rows, reused
 	// A revoke whose grace ends while this connection still serves the
 	// revoked bytes resets it: the write in progress fails at once, and
 	// the reader gets a reset rather than a clean end of stream.
@@ -150,17 +152,34 @@ func (e *TCPEngine) serveData(c net.Conn) {
 		if errors.Is(err, ErrZeroLength) {
 			reason = reasonZeroLength
 		}
+		// kvflow's strided READ (an opcode ParseHeader refuses): only
+		// when this engine serves kvflow ops, and checked whole, from
+		// its first row's start to its last row's end, like a READ of
+		// that span.
+		var sr StridedRead
+		strided := err != nil && h.Opcode == OpcodeReadStrided && h.V2 && !e.cfg.NoKvflowOps
+		span := h.Size
+		if strided {
+			if sr, err = e.readStrided(c, br, &hb); err != nil {
+				reason = reasonBadStrided
+				if errors.Is(err, ErrBadStrided) {
+					e.log.Debug("data: malformed strided read", "peer", peer, "err", err)
+				}
+			} else {
+				span = sr.Span()
+			}
+		}
 		if err == nil && h.Opcode == OpcodeWrite && !e.cfg.AcceptWrites {
 			err, reason = errWritesOff, reasonWriteRefused
 		}
 		if err == nil {
-			r, err = e.regions.pin(h.Addr, h.Size)
+			r, err = e.regions.pin(h.Addr, span)
 			reason = reasonUnregistered
 		}
 		var hold uint64 // released once the answer is written
 		if err == nil && e.cfg.ReadGrants {
 			var ok bool
-			if hold, ok = e.grants.hold(h.Addr, h.Size, cut); !ok {
+			if hold, ok = e.grants.hold(h.Addr, span, cut); !ok {
 				r.unpin()
 				err, reason = errNotGranted, reasonNotGranted
 			}
@@ -174,6 +193,18 @@ func (e *TCPEngine) serveData(c net.Conn) {
 			}
 			e.reject(c, br, h, reason, peer, err)
 			return
+		}
+		if strided {
+			if err := e.flushPending(c, p); err == nil {
+				err = e.serveStrided(c, sr, &iov)
+			}
+			r.unpin()
+			e.grants.release(hold)
+			if err != nil {
+				e.log.Warn("data: transfer failed", "peer", peer, "strided", true, "addr", sr.Addr, "row", sr.Row, "pitch", sr.Pitch, "rows", sr.Rows, "err", err)
+				return
+			}
+			continue
 		}
 		if h.Opcode == OpcodeRead && h.Size <= coalesceOp {
 			p.add(r, hold, bytesAt(h.Addr, h.Size), h.V2)
@@ -278,4 +309,68 @@ func (e *TCPEngine) reject(c net.Conn, br *bufio.Reader, h Header, reason, peer 
 	}
 	c.SetDeadline(time.Now().Add(200 * time.Millisecond))
 	io.CopyN(io.Discard, br, drain)
+}
+
+// readStrided reads the rest of a strided READ whose header is hb (the
+// row and pitch) and decodes it.
+func (e *TCPEngine) readStrided(c net.Conn, br *bufio.Reader, hb *[HeaderSize]byte) (StridedRead, error) {
+	var b [StridedHeaderSize]byte
+	copy(b[:], hb[:])
+	if br.Buffered() < StridedHeaderSize-HeaderSize {
+		c.SetDeadline(time.Now().Add(e.cfg.IOTimeout))
+	}
+	if _, err := io.ReadFull(br, b[HeaderSize:]); err != nil {
+		return StridedRead{}, fmt.Errorf("strided read: %w", err)
+	}
+	return ParseStrided(&b)
+}
+
+// Strided answers go out in writes of at most stridedIOV rows (pieces of
+// rows) and ChunkSize bytes, straight from registered memory (writev: the
+// rows are never copied in user space).
+const stridedIOV = 1024
+
+// serveStrided answers validated strided READ s (its span pinned and, with
+// grants, held): the OK status, then its rows back to back. iov is the
+// connection's reusable vector.
+func (e *TCPEngine) serveStrided(c net.Conn, s StridedRead, iov *net.Buffers) error {
+	var st [StatusSize]byte
+	PutStatus(&st, StatusOK)
+	chunk := uint64(e.cfg.ChunkSize)
+	bufs := append((*iov)[:0], st[:])
+	n := uint64(StatusSize)
+	flush := func() error {
+		c.SetDeadline(time.Now().Add(e.cfg.IOTimeout))
+		w := bufs // WriteTo consumes its receiver
+		_, err := w.WriteTo(c)
+		clear(bufs)
+		bufs, n = bufs[:0], 0
+		return err
+	}
+	addr := s.Addr
+	for range s.Rows {
+		for off := uint64(0); off < s.Row; {
+			piece := min(s.Row-off, chunk)
+			bufs = append(bufs, bytesAt(addr+off, piece))
+			off += piece
+			if n += piece; len(bufs) >= stridedIOV || n >= chunk {
+				if err := flush(); err != nil {
+					*iov = bufs
+					return err
+				}
+			}
+		}
+		addr += s.Pitch
+	}
+	var err error
+	if len(bufs) > 0 {
+		err = flush()
+	}
+	*iov = bufs
+	if err != nil {
+		return err
+	}
+	e.m.serveReadBytes.Add(float64(s.Size()))
+	e.m.serveReadOps.Inc()
+	return nil
 }

@@ -82,6 +82,23 @@ const (
 	ProtoVersion = 2
 )
 
+// kvflow's own data-port op (not Mooncake's; see StridedRead). It is sent
+// only to a target whose segment descriptor advertised KvflowOpStridedRead
+// in its "kvflow_ops" field, which a kvflow target puts in its reply only
+// when the initiator's own descriptor carried the field: a Mooncake engine
+// neither receives the op nor finds the field in a reply.
+const (
+	// OpcodeReadStrided is the strided READ's opcode; it is always sent
+	// with the v2 bit (0x82).
+	OpcodeReadStrided uint8 = 2
+	// StridedHeaderSize is the request: the 24-byte header, then
+	// {uint64 row; uint64 pitch} little-endian.
+	StridedHeaderSize = HeaderSize + 16
+	// KvflowOpStridedRead is the "kvflow_ops" bit of a segment descriptor
+	// that says the engine serves OpcodeReadStrided.
+	KvflowOpStridedRead uint32 = 1
+)
+
 // Errors of the wire decoders.
 var (
 	ErrFrameTooLarge = errors.New("mooncake: handshake frame exceeds the length cap")
@@ -90,6 +107,7 @@ var (
 	ErrBadSegment    = errors.New("mooncake: malformed segment descriptor")
 	ErrBadHeader     = errors.New("mooncake: malformed data header")
 	ErrBadStatus     = errors.New("mooncake: malformed status frame (peer speaks legacy framing?)")
+	ErrBadStrided    = errors.New("mooncake: malformed strided read")
 )
 
 // AppendFrame appends one handshake frame (length, type byte, payload) to
@@ -173,6 +191,10 @@ type SegmentDesc struct {
 	TCPDataPort     int
 	TCPProtoVersion int // 1 when the field is absent
 	Timestamp       string
+	// KvflowOps is kvflow's extension (the "kvflow_ops" field, absent when
+	// 0): the kvflow-only ops the engine serves (KvflowOpStridedRead).
+	// Mooncake never sends it and ignores it.
+	KvflowOps uint32
 }
 
 // HasProtocol reports whether the descriptor lists protocol p.
@@ -189,6 +211,7 @@ func (d *SegmentDesc) HasProtocol(p string) bool {
 // FastWriter emits, so EncodeSegment is byte-identical to Mooncake's.
 type segmentWire struct {
 	Buffers         []BufferDesc    `json:"buffers"`
+	KvflowOps       json.RawMessage `json:"kvflow_ops,omitempty"`
 	Name            string          `json:"name"`
 	Protocol        json.RawMessage `json:"protocol"`
 	TCPDataPort     json.RawMessage `json:"tcp_data_port"`
@@ -203,16 +226,18 @@ const TimestampLayout = "2006-01-02 15:04:05.000000"
 func FormatTimestamp(t time.Time) string { return t.Format(TimestampLayout) }
 
 // EncodeSegment renders d as Json::FastWriter would: sorted keys, no
-// whitespace, no HTML escaping, a trailing newline, "buffers" never null.
+// whitespace, no HTML escaping, a trailing newline, "buffers" never null,
+// "kvflow_ops" only when not 0.
 func EncodeSegment(d *SegmentDesc) []byte {
 	w := struct {
 		Buffers         []BufferDesc `json:"buffers"`
+		KvflowOps       uint32       `json:"kvflow_ops,omitempty"`
 		Name            string       `json:"name"`
 		Protocol        string       `json:"protocol"`
 		TCPDataPort     int          `json:"tcp_data_port"`
 		TCPProtoVersion int          `json:"tcp_proto_version"`
 		Timestamp       string       `json:"timestamp"`
-	}{d.Buffers, d.Name, d.Protocol, d.TCPDataPort, d.TCPProtoVersion, d.Timestamp}
+	}{d.Buffers, d.KvflowOps, d.Name, d.Protocol, d.TCPDataPort, d.TCPProtoVersion, d.Timestamp}
 	if w.Buffers == nil {
 		w.Buffers = []BufferDesc{}
 	}
@@ -245,6 +270,11 @@ func DecodeSegment(data []byte) (*SegmentDesc, error) {
 	if len(w.TCPProtoVersion) > 0 {
 		if d.TCPProtoVersion, err = decodeInt(w.TCPProtoVersion, "tcp_proto_version"); err != nil {
 			return nil, err
+		}
+	}
+	if len(w.KvflowOps) > 0 {
+		if err := json.Unmarshal(w.KvflowOps, &d.KvflowOps); err != nil {
+			return nil, fmt.Errorf("%w: kvflow_ops: %v", ErrBadSegment, err)
 		}
 	}
 	if len(w.Timestamp) > 0 {
@@ -341,4 +371,57 @@ func ParseStatus(b *[StatusSize]byte) error {
 		return nil
 	}
 	return fmt.Errorf("%w (status %d)", ErrRejected, uint32(v))
+}
+
+// StridedRead is kvflow's strided READ (OpcodeReadStrided): Rows rows of
+// Row bytes each, Pitch bytes apart from Addr, answered like a READ of
+// Rows*Row bytes (v2 status, then the rows back to back). A decode rank
+// whose TP is above the prefill's reads one slice of every token row of a
+// prefill block so, in one request instead of one per row.
+type StridedRead struct {
+	Addr, Row, Pitch, Rows uint64
+}
+
+// Size is the bytes of the answer.
+func (s StridedRead) Size() uint64 { return s.Row * s.Rows }
+
+// Span is the bytes from Addr to the last row's end: the range the target
+// checks against its registered regions and grants, whole.
+func (s StridedRead) Span() uint64 { return (s.Rows-1)*s.Pitch + s.Row }
+
+// PutStrided encodes s (valid: see ParseStrided) into b.
+func PutStrided(b *[StridedHeaderSize]byte, s StridedRead) {
+	h := (*[HeaderSize]byte)(b[:HeaderSize])
+	PutHeader(h, Header{Size: s.Size(), Addr: s.Addr, Opcode: OpcodeReadStrided, V2: true})
+	binary.LittleEndian.PutUint64(b[HeaderSize:], s.Row)
+	binary.LittleEndian.PutUint64(b[HeaderSize+8:], s.Pitch)
+}
+
+// ParseStrided decodes a strided READ request and checks that it is one:
+// opcode 0x82 (v2 only), a row of at least one byte, a size of whole rows
+// (at least one), rows that do not overlap (pitch >= row), and a span that
+// neither overflows nor wraps the address space. Padding is ignored.
+func ParseStrided(b *[StridedHeaderSize]byte) (StridedRead, error) {
+	size := binary.LittleEndian.Uint64(b[0:8])
+	s := StridedRead{
+		Addr:  binary.LittleEndian.Uint64(b[8:16]),
+		Row:   binary.LittleEndian.Uint64(b[HeaderSize:]),
+		Pitch: binary.LittleEndian.Uint64(b[HeaderSize+8:]),
+	}
+	switch {
+	case b[16] != OpcodeReadStrided|OpcodeV2:
+		return s, fmt.Errorf("%w: opcode 0x%02x", ErrBadStrided, b[16])
+	case s.Row == 0 || size == 0 || size%s.Row != 0:
+		return s, fmt.Errorf("%w: %d bytes in rows of %d", ErrBadStrided, size, s.Row)
+	case s.Pitch < s.Row:
+		return s, fmt.Errorf("%w: rows of %d bytes %d apart overlap", ErrBadStrided, s.Row, s.Pitch)
+	}
+	s.Rows = size / s.Row
+	if s.Rows-1 > (^uint64(0)-s.Row)/s.Pitch {
+		return s, fmt.Errorf("%w: %d rows %d bytes apart overflow", ErrBadStrided, s.Rows, s.Pitch)
+	}
+	if span := s.Span(); s.Addr+span < s.Addr {
+		return s, fmt.Errorf("%w: %d bytes from %#x wrap around", ErrBadStrided, span, s.Addr)
+	}
+	return s, nil
 }

@@ -74,6 +74,8 @@ func TestDecodeSegment(t *testing.T) {
 		"port string":       `{"name":"h","protocol":"tcp","tcp_data_port":"2"}`,
 		"version float":     `{"name":"h","protocol":"tcp","tcp_data_port":2,"tcp_proto_version":2.5}`,
 		"timestamp integer": `{"name":"h","protocol":"tcp","tcp_data_port":2,"timestamp":5}`,
+		"kvflow_ops string": `{"kvflow_ops":"1","name":"h","protocol":"tcp","tcp_data_port":2}`,
+		"kvflow_ops float":  `{"kvflow_ops":1.5,"name":"h","protocol":"tcp","tcp_data_port":2}`,
 		"array":             `[]`,
 		"null":              `null`,
 	}
@@ -89,6 +91,17 @@ func TestEncodeSegment(t *testing.T) {
 	want := `{"buffers":[],"name":"a<b>&","protocol":"tcp","tcp_data_port":1,"tcp_proto_version":2,"timestamp":"t"}` + "\n"
 	if got != want {
 		t.Fatalf("got  %s\nwant %s", got, want)
+	}
+	// kvflow's extension, in its sorted place, and back.
+	d := &SegmentDesc{Name: "h:1", Protocol: "tcp", TCPDataPort: 1, TCPProtoVersion: 2, Timestamp: "t", KvflowOps: KvflowOpStridedRead}
+	got = string(EncodeSegment(d))
+	want = `{"buffers":[],"kvflow_ops":1,"name":"h:1","protocol":"tcp","tcp_data_port":1,"tcp_proto_version":2,"timestamp":"t"}` + "\n"
+	if got != want {
+		t.Fatalf("got  %s\nwant %s", got, want)
+	}
+	back, err := DecodeSegment([]byte(got))
+	if err != nil || back.KvflowOps != KvflowOpStridedRead {
+		t.Fatalf("decoded %+v %v", back, err)
 	}
 }
 

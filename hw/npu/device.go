@@ -57,6 +57,9 @@ type Device interface {
 	// backend's memory is host-addressable; nil otherwise, out of range, or
 	// after Close.
 	Bytes(layer, part int) []byte
+	// Block is block b of cache (layer, part) as a slice: Bytes' rule
+	// (host-addressable memory only; nil otherwise or out of range).
+	Block(layer, part, b int) []byte
 	// Stitch reorders, for each listed block of every layer and part, the
 	// P = tp_num_need_pulls head slices pulled side by side
 	// ([p][block_size][row/p]) into token-major rows ([block_size][row]): the
@@ -79,3 +82,20 @@ var (
 	// ErrInUse: CreateShm found its path owned by a live process.
 	ErrInUse = errors.New("npu: cache file in use by a live process")
 )
+
+// BlockRanges is where the listed blocks of every cache of d lie: one
+// Region per (cache, block), caches in BaseAddrs order, blocks in the
+// order given (what a transfer engine's read grants cover for a request).
+func BlockRanges(d Device, blocks []int) []Region {
+	l := d.Layout()
+	base := d.BaseAddrs()
+	out := make([]Region, 0, len(base)*len(blocks))
+	for k, b0 := range base {
+		_, part := l.CacheOf(k)
+		bl := uint64(l.BlockLen(part))
+		for _, b := range blocks {
+			out = append(out, Region{Addr: b0 + uint64(b)*bl, Len: bl})
+		}
+	}
+	return out
+}

@@ -9,7 +9,10 @@ import (
 
 	"github.com/kvflow/kvflow/hw/mooncake"
 	"github.com/kvflow/kvflow/hw/npu"
+	"github.com/kvflow/kvflow/stages/handshake"
+	"github.com/kvflow/kvflow/stages/notify"
 	"github.com/kvflow/kvflow/stages/plan"
+	"github.com/kvflow/kvflow/stages/read"
 )
 
 // Config is everything one kvflow worker (one prefill or decode rank) needs.
@@ -172,6 +175,13 @@ const (
 	// tag mooncake). Reserved: Validate rejects it (ErrBackendNotWired)
 	// until the node drives the binding.
 	BackendMooncake = "mooncake"
+	// BackendShm is the TCP engine plus same-host reads without the
+	// network (hw/shm), negotiated per peer: a prefill worker publishes
+	// its cache file and a grant table in its metadata ("same_host"); a
+	// decode worker maps the file of a peer on its host and copies from
+	// it, and reads every other peer, or one whose claim does not hold,
+	// over TCP (kvflow_shm_fallbacks_total, a warning).
+	BackendShm = "shm"
 )
 
 // Node holds this worker's listen addresses.
@@ -180,8 +190,10 @@ type Node struct {
 	// the worker's IP, get_ip()); prefill peers are dialed at the host the
 	// scheduler advertises, so in a deployment set the worker's IP.
 	SideChannelHost string `json:"side_channel_host"`
-	// TEBackend is the transfer engine: tcp. mooncake (the cgo binding) is
-	// rejected: the node does not drive it yet, whatever the build tags.
+	// TEBackend is the transfer engine: tcp, or shm (tcp plus same-host
+	// reads by mapping the peer's cache file, BackendShm). mooncake (the
+	// cgo binding) is rejected: the node does not drive it yet, whatever
+	// the build tags.
 	TEBackend string `json:"te_backend"`
 	// TEHost is the transfer engine's listen host; "" means SideChannelHost
 	// (the seed starts its engine on the same IP).
@@ -233,74 +245,18 @@ type Limits struct {
 	HTTPMaxConns int `json:"http_max_conns"`
 }
 
-// Pipeline sizes the decode pipeline.
-type Pipeline struct {
-	Workers StageSizes `json:"workers"` // goroutines per stage
-	Queues  StageSizes `json:"queues"`  // bounded queue in front of each stage
-}
+// Handshake is the handshake stage's configuration (stages/handshake
+// owns its fields, defaults and checks): GET_META's timeout, attempts and
+// backoff, and the metadata cache's size.
+type Handshake = handshake.Config
 
-// StageSizes is one number per decode stage.
-type StageSizes struct {
-	Plan      int `json:"plan"`
-	Handshake int `json:"handshake"`
-	Read      int `json:"read"`
-	Stitch    int `json:"stitch"`
-	Notify    int `json:"notify"`
-}
+// Read is the read stage's configuration (stages/read): the read timeout,
+// the per-peer limit, fused stitching and the prefill side's read grants.
+type Read = read.Config
 
-// Handshake configures GET_META (decode). Timeout, Attempts and
-// RetryBackoff apply to GET_META alone (the decode side's handshake client);
-// DONE and RENEW take notify's. Attempts × (Timeout + RetryBackoff) also
-// bounds a job's whole handshake stage.
-type Handshake struct {
-	Timeout      Duration `json:"timeout"`       // one attempt's wait for the reply
-	Attempts     int      `json:"attempts"`      // tries per call (1 = no retry)
-	RetryBackoff Duration `json:"retry_backoff"` // pause before a retry
-	// CacheSize bounds the cached metadata entries, one per (engine id,
-	// handshake port).
-	CacheSize int `json:"cache_size"`
-}
-
-// Read configures the transfer reads.
-type Read struct {
-	Timeout Duration `json:"timeout"` // one task's batch, end to end
-	// PerPeerConcurrency bounds the batches in flight to one remote rank.
-	PerPeerConcurrency int `json:"per_peer_concurrency"`
-	// Grants (prefill) says which blocks the transfer engine serves:
-	// auto (the default) serves a held request's blocks when its send
-	// names them (kvflow's connector always does), and every block while
-	// a request whose send named none is held (an engine that cannot
-	// give them; warned at the first such send); on serves only named
-	// blocks of held requests; off serves every registered byte at any
-	// time, as Mooncake does. With grants, a read after a force-free, an
-	// abort or a forged DONE is refused rather than served from reused
-	// memory. A Mooncake or seed decode reads exactly the blocks of the
-	// send (trimmed for prefix hits, whole prefill blocks for every head
-	// slice), so it reads as before. A decode worker serves no read
-	// whatever this says (nothing pulls from it), and no engine takes
-	// peers' writes. true and false read as on and off.
-	Grants GrantsMode `json:"grants"`
-	// FusedStitch (decode) reads each prefill rank's slice of a block
-	// straight into its place in the stitched block, row by row, when one
-	// decode rank pulls from several prefill ranks and the transfer
-	// engine can (the tcp backend; not mooncake): the head transpose then
-	// costs no pass of its own over the cache. False reads as the seed
-	// does and runs the stitch kernel afterwards. The bytes are the same.
-	FusedStitch bool `json:"fused_stitch"`
-}
-
-// Notify configures the decode side's acknowledged messages to prefill:
-// DONE_RECVING, plain or batched (done_batch_msg), and RENEW (leases). They
-// are small idempotent messages answered "ACK", so they share a client of
-// their own whose Timeout, Attempts and RetryBackoff are these (handshake.*
-// applies to GET_META alone). Attempts × (Timeout + RetryBackoff) also
-// bounds a job's whole notify stage; a RENEW call is further bounded by a
-// third of the lease TTL the peer advertised (at least 100 ms).
-type Notify struct {
-	Timeout      Duration `json:"timeout"`       // one attempt's wait for the ACK
-	Attempts     int      `json:"attempts"`      // tries per DONE (1 = no retry)
-	RetryBackoff Duration `json:"retry_backoff"` // pause before a retry
-}
+// Notify is the notify stage's configuration (stages/notify): the DONE and
+// RENEW client's timeout, attempts and backoff.
+type Notify = notify.Config
 
 // Tracker configures the prefill side's delayed frees.
 type Tracker struct {
@@ -436,76 +392,11 @@ func Default() Config {
 				HTTPMaxConns: 64,
 			},
 		},
-		Pipeline: Pipeline{
-			Workers: StageSizes{
-				// Planning is pure arithmetic (microseconds per request).
-				Plan: 1,
-				// Handshakes are network round trips, cached and
-				// deduplicated: a few in parallel hide a slow peer.
-				Handshake: 8,
-				// A read worker waits for its request's batches: at least
-				// one round trip, however few bytes. Large batches are
-				// bounded per peer by read.per_peer_concurrency (the
-				// engine's lanes), so more workers do not oversubscribe a
-				// link; they let small requests' round trips overlap
-				// (small 1-8 block requests across a 1 ms link: 8 workers
-				// capped them at ~440 req/s).
-				Read: 32,
-				// The stitch is a memory-bound copy: 2 saturates memory
-				// bandwidth on small hosts without starving the transport.
-				Stitch: 2,
-				// DONE/ACK round trips take ~1 ms each on a LAN and a
-				// request sends one per task; 16 matches the side
-				// channel's sockets per peer.
-				Notify: 16,
-			},
-			Queues: StageSizes{
-				// vLLM's default max_num_seqs is 256: a whole scheduler
-				// step's loads fit without blocking the engine.
-				Plan: 256,
-				// After planning items wait on the network; 64 per stage
-				// bounds the memory held while showing backpressure early.
-				Handshake: 64,
-				Read:      64,
-				Stitch:    64,
-				Notify:    64,
-			},
-		},
-		Handshake: Handshake{
-			// The seed's 1 s socket timeout; loopback and LAN replies take
-			// well under 1 ms.
-			Timeout: Duration(time.Second),
-			// The seed's max_retries.
-			Attempts: 3,
-			// The seed's sleep between retries; longer than ZMQ's 100 ms
-			// reconnect interval would not help more.
-			RetryBackoff: Duration(100 * time.Millisecond),
-			// One entry per (engine id, handshake port), a few KiB each:
-			// 4096 covers 256 prefill instances of 16 ranks.
-			CacheSize: 4096,
-		},
-		Read: Read{
-			// A task moves at most a few GiB; at >= 1 GB/s that is seconds.
-			// 30 s fails a wedged transfer long before the prefill side's
-			// 480 s abort timeout frees the blocks under it.
-			Timeout: Duration(30 * time.Second),
-			// Mooncake's 4 TCP lanes per peer: more batches to one peer
-			// only queue behind them.
-			PerPeerConcurrency: 4,
-			FusedStitch:        true,
-			// On wherever the engine names the blocks (kvflow's connector
-			// always does), open only while a request it could not name
-			// is held: a forged or early DONE cannot make a decode read
-			// reused blocks, and Mooncake and seed peers read as before.
-			Grants: GrantsAuto,
-		},
-		Notify: Notify{
-			// The seed's DONE_RECVING uses the same 1 s timeout and 3 tries
-			// as the handshake.
-			Timeout:      Duration(time.Second),
-			Attempts:     3,
-			RetryBackoff: Duration(100 * time.Millisecond),
-		},
+		// Each stage's pool and settings are its package's defaults.
+		Pipeline:  DefaultPipeline(),
+		Handshake: handshake.DefaultConfig(),
+		Read:      read.DefaultConfig(),
+		Notify:    notify.DefaultConfig(),
 		Tracker: Tracker{
 			// vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default, which the
 			// seed uses.

@@ -63,7 +63,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 
 	n := &c.Node
 	fs.StringVar(&n.SideChannelHost, "side-channel-host", n.SideChannelHost, "side channel bind address, the worker's IP (node.side_channel_host)")
-	fs.StringVar(&n.TEBackend, "te-backend", n.TEBackend, "transfer engine: tcp; mooncake (the cgo binding) is rejected until the node drives it (node.te_backend)")
+	fs.StringVar(&n.TEBackend, "te-backend", n.TEBackend, "transfer engine: tcp, or shm (tcp plus same-host reads by mapping the peer's cache file, negotiated per peer); mooncake (the cgo binding) is rejected until the node drives it (node.te_backend)")
 	fs.StringVar(&n.TEHost, "te-host", n.TEHost, "transfer engine listen host; empty = side channel host (node.te_host)")
 	fs.IntVar(&n.TEPort, "te-port", n.TEPort, "transfer engine RPC port, 0 = any free (node.te_port)")
 	fs.StringVar(&n.Control, "control", n.Control, "control socket endpoint; empty derives ipc:///tmp/kvflow-... (node.control)")
@@ -77,37 +77,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.IntVar(&l.FDReserve, "fd-reserve", l.FDReserve, "file descriptors kept free for control, side channel and HTTP; 0 = no check (node.limits.fd_reserve)")
 	fs.IntVar(&l.HTTPMaxConns, "http-max-conns", l.HTTPMaxConns, "open connections of the metrics endpoint (node.limits.http_max_conns)")
 
-	for _, s := range []struct {
-		kind  string
-		sizes *StageSizes
-	}{{"workers", &c.Pipeline.Workers}, {"queue", &c.Pipeline.Queues}} {
-		what := "goroutines of"
-		path := "pipeline.workers."
-		if s.kind == "queue" {
-			what, path = "queue capacity in front of", "pipeline.queues."
-		}
-		for _, st := range []struct {
-			name string
-			p    *int
-		}{
-			{"plan", &s.sizes.Plan}, {"handshake", &s.sizes.Handshake}, {"read", &s.sizes.Read},
-			{"stitch", &s.sizes.Stitch}, {"notify", &s.sizes.Notify},
-		} {
-			fs.IntVar(st.p, st.name+"-"+s.kind, *st.p, what+" the "+st.name+" stage ("+path+st.name+")")
-		}
-	}
-
-	fs.Var(&c.Handshake.Timeout, "handshake-timeout", "wait for one GET_META reply (handshake.timeout)")
-	fs.IntVar(&c.Handshake.Attempts, "handshake-attempts", c.Handshake.Attempts, "GET_META tries (handshake.attempts)")
-	fs.Var(&c.Handshake.RetryBackoff, "handshake-retry-backoff", "pause before a GET_META retry (handshake.retry_backoff)")
-	fs.IntVar(&c.Handshake.CacheSize, "handshake-cache-size", c.Handshake.CacheSize, "cached remote metadata entries (handshake.cache_size)")
-	fs.Var(&c.Read.Timeout, "read-timeout", "one task's transfer batch (read.timeout)")
-	fs.IntVar(&c.Read.PerPeerConcurrency, "read-per-peer", c.Read.PerPeerConcurrency, "batches in flight per remote rank (read.per_peer_concurrency)")
-	fs.BoolVar(&c.Read.FusedStitch, "fused-stitch", c.Read.FusedStitch, "decode: land pulled slices straight in their stitched place when the engine can (read.fused_stitch)")
-	fs.Var(&c.Read.Grants, "read-grants", "prefill: which blocks peers may read: auto (held requests' blocks; all while one without block ids is held), on (held requests' named blocks only), off (everything) (read.grants)")
-	fs.Var(&c.Notify.Timeout, "notify-timeout", "wait for one DONE_RECVING or RENEW ACK (notify.timeout)")
-	fs.IntVar(&c.Notify.Attempts, "notify-attempts", c.Notify.Attempts, "DONE_RECVING and RENEW tries (notify.attempts)")
-	fs.Var(&c.Notify.RetryBackoff, "notify-retry-backoff", "pause before a DONE_RECVING or RENEW retry (notify.retry_backoff)")
+	c.registerStageFlags(fs)
 	fs.Var(&c.Tracker.AbortRequestTimeout, "abort-timeout", "prefill: force-free requests not DONE within this, as VLLM_NIXL_ABORT_REQUEST_TIMEOUT; decode: the prefill's, assumed for peers without leases (reads that would start later are refused; keep them equal) (tracker.abort_request_timeout)")
 	fs.Var(&c.Tracker.LeaseTTL, "lease-ttl", "prefill: advertise leases; a RENEW keeps a request held this long, 0 = off (tracker.lease_ttl)")
 	fs.BoolVar(&c.Tracker.BatchDone, "batch-done", c.Tracker.BatchDone, "prefill: advertise batched DONEs to kvflow decode workers (tracker.batch_done)")

@@ -194,10 +194,14 @@ func (c Config) validateNode(v *validator) {
 	host("node.side_channel_host", n.SideChannelHost, false)
 	switch n.TEBackend {
 	case BackendTCP:
+	case BackendShm:
+		if c.Role() == Prefill && c.Cache.Mode == CacheAnonymous {
+			v.add("node.te_backend", "shm on a prefill worker needs its cache in a file (cache.mode shm or shm_attach), not %s memory", CacheAnonymous)
+		}
 	case BackendMooncake:
 		v.add("node.te_backend", "%s", ErrBackendNotWired)
 	default:
-		v.add("node.te_backend", "must be %s, got %q", BackendTCP, n.TEBackend)
+		v.add("node.te_backend", "must be %s or %s, got %q", BackendTCP, BackendShm, n.TEBackend)
 	}
 	host("node.te_host", n.TEHost, true)
 	if n.TEPort < 0 || n.TEPort > 65535 {
@@ -250,34 +254,7 @@ func (c Config) validateNode(v *validator) {
 }
 
 func (c Config) validateSettings(v *validator) {
-	for _, s := range []struct {
-		name  string
-		sizes StageSizes
-	}{{"pipeline.workers", c.Pipeline.Workers}, {"pipeline.queues", c.Pipeline.Queues}} {
-		v.atLeast(s.name+".plan", s.sizes.Plan, 1)
-		v.atLeast(s.name+".handshake", s.sizes.Handshake, 1)
-		v.atLeast(s.name+".read", s.sizes.Read, 1)
-		v.atLeast(s.name+".stitch", s.sizes.Stitch, 1)
-		v.atLeast(s.name+".notify", s.sizes.Notify, 1)
-	}
-	h := c.Handshake
-	v.positive("handshake.timeout", h.Timeout)
-	v.atLeast("handshake.attempts", h.Attempts, 1)
-	if h.RetryBackoff < 0 {
-		v.add("handshake.retry_backoff", "must be >= 0, got %s", h.RetryBackoff.D())
-	}
-	v.atLeast("handshake.cache_size", h.CacheSize, 1)
-	v.positive("read.timeout", c.Read.Timeout)
-	v.atLeast("read.per_peer_concurrency", c.Read.PerPeerConcurrency, 1)
-	if !c.Read.Grants.Valid() {
-		v.add("read.grants", "want auto, on or off, got %q", string(c.Read.Grants))
-	}
-	no := c.Notify
-	v.positive("notify.timeout", no.Timeout)
-	v.atLeast("notify.attempts", no.Attempts, 1)
-	if no.RetryBackoff < 0 {
-		v.add("notify.retry_backoff", "must be >= 0, got %s", no.RetryBackoff.D())
-	}
+	c.validateStages(v)
 	v.positive("tracker.abort_request_timeout", c.Tracker.AbortRequestTimeout)
 	if l := c.Tracker.LeaseTTL; l != 0 && l < Duration(MinLeaseTTL) {
 		v.add("tracker.lease_ttl", "must be 0 (off) or >= %s, got %s", MinLeaseTTL, l.D())

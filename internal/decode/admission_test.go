@@ -13,6 +13,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvflow/kvflow/stages/conf"
 	"github.com/kvflow/kvflow/stages/handshake"
 	"github.com/kvflow/kvflow/stages/job"
 	"github.com/kvflow/kvflow/stages/plan"
@@ -90,7 +91,7 @@ func admissionWorker(t *testing.T, f handshake.Fetcher, rn Renewer, reads *atomi
 	t.Helper()
 	if sizes == (StageSizes{}) {
 		sizes = DefaultStageSizes()
-		sizes.Handshake = StageSize{1, 64}
+		sizes.Handshake = StageSize{Workers: 1, Queue: 64}
 	}
 	reg := prometheus.NewRegistry()
 	o := Options{
@@ -100,13 +101,13 @@ func admissionWorker(t *testing.T, f handshake.Fetcher, rn Renewer, reads *atomi
 			reads.Add(1)
 			return nil
 		}),
-		Sender:           senderFunc(func(context.Context, string, string) error { return nil }),
-		Renewer:          rn,
-		HandshakeTimeout: 5 * time.Second,
-		Stages:           sizes,
-		Layout:           plan.CacheLayout{BlockLen: []uint64{64, 64}, CachesPerLayer: 2},
-		Local:            plan.Caches{Base: []uint64{1 << 30, 1<<30 + 4096}, NumBlocks: 8},
-		Registerer:       reg,
+		Sender:     senderFunc(func(context.Context, string, string) error { return nil }),
+		Renewer:    rn,
+		Handshake:  handshakeConfig(5 * time.Second),
+		Stages:     sizes,
+		Layout:     plan.CacheLayout{BlockLen: []uint64{64, 64}, CachesPerLayer: 2},
+		Local:      plan.Caches{Base: []uint64{1 << 30, 1<<30 + 4096}, NumBlocks: 8},
+		Registerer: reg,
 	}
 	for _, set := range opts {
 		set(&o)
@@ -179,16 +180,7 @@ func waitEnded(t *testing.T, w *Worker, ids ...string) (done []string, failed []
 // the check, so once it holds, no later RENEW carries a request that had
 // already ended.
 func renewsIdle(w *Worker) func() bool {
-	return func() bool {
-		w.rn.mu.Lock()
-		defer w.rn.mu.Unlock()
-		for _, ep := range w.rn.eps {
-			if ep.busy {
-				return false
-			}
-		}
-		return true
-	}
+	return w.rn.Idle
 }
 
 func waitUntil(t *testing.T, what string, cond func() bool) {
@@ -233,8 +225,8 @@ func TestLeaseAtAdmission(t *testing.T) {
 			mustLoad(t, w, loadReq("stall", portStall))
 			<-f.stalled
 			mustLoad(t, w, loadReq("b", portPeer))
-			if tc.cached && tc.ttl > 0 && w.rn.len() != 1 {
-				t.Fatalf("leased requests %d right after Load, want 1 (b, from the cache)", w.rn.len())
+			if tc.cached && tc.ttl > 0 && w.rn.Len() != 1 {
+				t.Fatalf("leased requests %d right after Load, want 1 (b, from the cache)", w.rn.Len())
 			}
 			time.Sleep(300 * time.Millisecond) // the first RENEW goes within 5 ms
 			if got := renewedFor(rn, "b"); got != tc.want {
@@ -251,8 +243,8 @@ func TestLeaseAtAdmission(t *testing.T) {
 			if len(done) != 2 {
 				t.Fatalf("done %v failed %v", done, failed)
 			}
-			if w.rn.len() != 0 {
-				t.Fatalf("%d requests still leased after they ended", w.rn.len())
+			if w.rn.Len() != 0 {
+				t.Fatalf("%d requests still leased after they ended", w.rn.Len())
 			}
 			waitUntil(t, "no RENEW in flight", renewsIdle(w))
 			n := len(rn.snapshot())
@@ -272,7 +264,7 @@ func TestLeaseAtAdmission(t *testing.T) {
 // pending fetch behind, and is never renewed once it ended.
 func TestLeaseRemovedBeforeHandshake(t *testing.T) {
 	const ttl = 90 * time.Millisecond
-	tight := StageSizes{Plan: StageSize{1, 1}, Handshake: StageSize{1, 1}, Read: StageSize{1, 1}, Stitch: StageSize{1, 1}, Notify: StageSize{1, 1}}
+	tight := StageSizes{Plan: StageSize{Workers: 1, Queue: 1}, Handshake: StageSize{Workers: 1, Queue: 1}, Read: StageSize{Workers: 1, Queue: 1}, Stitch: StageSize{Workers: 1, Queue: 1}, Notify: StageSize{Workers: 1, Queue: 1}}
 	for _, tc := range []struct {
 		name string
 		run  func(t *testing.T, w *Worker, f *peerFetcher, rn *fakeRenewer)
@@ -358,12 +350,17 @@ func TestLeaseRemovedBeforeHandshake(t *testing.T) {
 					t.Fatalf("b renewed after it ended: %+v", c)
 				}
 			}
-			w.rn.mu.Lock()
-			leased, pending, pendingOf := len(w.rn.jobs), len(w.rn.pending), len(w.rn.pendingOf)
-			w.rn.mu.Unlock()
+			leased, pending, pendingOf := w.rn.Tracked()
 			if leased != 0 || pending != 0 || pendingOf != 0 {
 				t.Fatalf("after every request ended: %d leased, %d fetches pending (%d requests)", leased, pending, pendingOf)
 			}
 		})
 	}
+}
+
+// handshakeConfig bounds a job's whole handshake (one attempt) by timeout.
+func handshakeConfig(timeout time.Duration) handshake.Config {
+	c := handshake.DefaultConfig()
+	c.Timeout, c.Attempts, c.RetryBackoff = conf.Duration(timeout), 1, 0
+	return c
 }

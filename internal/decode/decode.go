@@ -6,19 +6,17 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"golang.org/x/sync/errgroup"
 
 	"github.com/kvflow/kvflow/hw/npu"
 	"github.com/kvflow/kvflow/pipeline"
 	"github.com/kvflow/kvflow/stages/handshake"
 	"github.com/kvflow/kvflow/stages/job"
+	"github.com/kvflow/kvflow/stages/lease"
 	"github.com/kvflow/kvflow/stages/notify"
 	"github.com/kvflow/kvflow/stages/plan"
-	"github.com/kvflow/kvflow/stages/plan/planstage"
 	"github.com/kvflow/kvflow/stages/read"
 	"github.com/kvflow/kvflow/stages/stitch"
 )
@@ -97,21 +95,18 @@ type Options struct {
 	LocalCache  *npu.Fingerprint
 	PeerBuffers handshake.SegmentLister
 
+	// Stages sizes each stage's pool; zero: every stage's DefaultPool.
 	Stages StageSizes
-	// HandshakeCacheSize, HandshakeTimeout, NotifyTimeout, PerSession:
-	// see the stage packages; zero takes their defaults.
-	HandshakeCacheSize int
-	HandshakeTimeout   time.Duration
-	NotifyTimeout      time.Duration
-	PerSession         int
-	// ReadTimeout bounds one task's batch (0: only the engine's own I/O
-	// timeout applies).
-	ReadTimeout time.Duration
+	// Handshake, Read and Notify are those stages' configurations; the
+	// zero value of each is its package's DefaultConfig.
+	Handshake handshake.Config
+	Read      read.Config
+	Notify    notify.Config
 	// BlockSize is the tokens per block; with it and a
-	// read.StridedTransfer the read stage fuses the head transpose into
-	// the reads (unless NoFusedStitch) and the stitch stage idles.
-	BlockSize     int
-	NoFusedStitch bool
+	// transfer that lays out strided rows (read.Capabilities.LocalStride)
+	// the read stage fuses the head transpose into the reads (unless
+	// Read.FusedStitch is off) and the stitch stage idles.
+	BlockSize int
 	// MaxFinished bounds finished results kept for Finished (an engine that
 	// never polls must not grow memory without end); the oldest are dropped
 	// and counted. 1 << 16.
@@ -125,29 +120,6 @@ type Options struct {
 	Logger     *slog.Logger
 }
 
-// StageSizes are each stage's workers and queue capacity.
-type StageSizes struct {
-	Plan, Handshake, Read, Stitch, Notify StageSize
-}
-
-// StageSize is one stage's pool.
-type StageSize struct{ Workers, Capacity int }
-
-// DefaultStageSizes: planning is microseconds (1 worker); handshakes are
-// mostly cache hits but a miss waits a network round trip (4); reads are
-// the long pole and run several requests' batches at once (8, the
-// per-session limit keeps one peer from taking them all); stitch is
-// CPU-bound and parallel inside (2 = cores here); notify waits for ACKs (8).
-func DefaultStageSizes() StageSizes {
-	return StageSizes{
-		Plan:      StageSize{1, 256},
-		Handshake: StageSize{4, 64},
-		Read:      StageSize{8, 64},
-		Stitch:    StageSize{2, 32},
-		Notify:    StageSize{8, 64},
-	}
-}
-
 // Errors.
 var (
 	ErrDuplicate = errors.New("decode: request already in flight")
@@ -155,51 +127,42 @@ var (
 	ErrClosed    = errors.New("decode: worker closed")
 	// ErrStaleRead fails a request whose read would start past the
 	// prefill's abort timeout at a rank without a lease
-	// (Options.PeerAbortTimeout).
-	ErrStaleRead = errors.New("decode: stale read refused")
+	// (Options.PeerAbortTimeout): the read stage's guard.
+	ErrStaleRead = read.ErrStaleRead
 	// ErrLeaseLost fails a request whose lease at a prefill rank this
-	// worker renews cannot be shown to hold: no RENEW of it was
-	// acknowledged for the lease TTL less a margin, or an ACK came back
-	// only after that (the prefill frees a renewed request one TTL after
-	// its last renewal). It is an ErrStaleRead.
-	ErrLeaseLost = fmt.Errorf("%w: lease not renewed", ErrStaleRead)
+	// worker renews cannot be shown to hold (read.ErrLeaseLost). It is an
+	// ErrStaleRead.
+	ErrLeaseLost = read.ErrLeaseLost
 )
 
-// Worker is one decode worker.
+// Worker is one decode worker: a thin shell around the chain of stages
+// (stages.go) that admits requests, submits them and collects how they
+// ended. What a stage does at admission, when a request ends and at
+// shutdown is the stage's own (hooks.go).
 type Worker struct {
-	opts Options
-	log  *slog.Logger
-	p    *pipeline.Pipeline[*job.Job]
-	hs   *handshake.Cache
-	rn   *renewer // nil without Options.Renewer
+	opts  Options
+	log   *slog.Logger
+	p     *pipeline.Pipeline[*job.Job]
+	hooks hooks
 
-	// Admission's metadata fetches (prefetch): bgCtx ends at Close, which
-	// waits for them.
-	bgCtx    context.Context
-	bgCancel context.CancelFunc
-	bg       sync.WaitGroup
+	// For Status (and tests): the handshake stage's metadata cache and
+	// the plan stage's lease keeper (nil without Options.Renewer).
+	hs  *handshake.Cache
+	rn  *lease.Keeper
+	reg prometheus.Registerer // the stages' metrics too
 
 	mu       sync.Mutex
-	closing  bool // Close has drained the pipeline: no more prefetches
 	inflight map[string]*job.Job
 	done     []string
 	failed   []Failure
 	dropped  int
 	// lastDropLog rate-limits the warning about dropped results (w.mu).
 	lastDropLog time.Time
-	// release: requests canceled by Close before any DONE of theirs could
-	// have left (w.mu); Close sends their DONEs so the prefill side frees
-	// their blocks now rather than at its abort timeout.
-	release []release
 
-	shutdownDones *prometheus.CounterVec
-	failures      *prometheus.CounterVec // by failureReason
-
+	failures *prometheus.CounterVec // by failureReason
 	requests *prometheus.CounterVec
 	latency  *prometheus.HistogramVec
 	bytes    prometheus.Counter
-	stale    prometheus.Counter
-	lost     prometheus.Counter // reads refused or discarded for a lease not shown to hold
 }
 
 // New builds and starts the worker's pipeline.
@@ -229,6 +192,23 @@ func New(o Options) (*Worker, error) {
 	if o.Stages == (StageSizes{}) {
 		o.Stages = DefaultStageSizes()
 	}
+	if o.Handshake == (handshake.Config{}) {
+		o.Handshake = handshake.DefaultConfig()
+	}
+	if o.Read == (read.Config{}) {
+		o.Read = read.DefaultConfig()
+	}
+	if o.Notify == (notify.Config{}) {
+		o.Notify = notify.DefaultConfig()
+	}
+	for _, c := range []struct {
+		name string
+		err  error
+	}{{"handshake", o.Handshake.Validate()}, {"read", o.Read.Validate()}, {"notify", o.Notify.Validate()}} {
+		if c.err != nil {
+			return nil, fmt.Errorf("decode: %s config: %w", c.name, c.err)
+		}
+	}
 	log := o.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -237,7 +217,40 @@ func New(o Options) (*Worker, error) {
 	if reg == nil {
 		reg = prometheus.NewRegistry()
 	}
-	w := &Worker{opts: o, log: log.With("component", "decode"), inflight: map[string]*job.Job{}}
+	w := &Worker{opts: o, log: log.With("component", "decode"), reg: reg, inflight: map[string]*job.Job{}}
+	if err := w.registerMetrics(reg); err != nil {
+		return nil, err
+	}
+	b := &builder{o: o, reg: reg, log: log}
+	var stages []pipeline.StageConfig[*job.Job]
+	for _, row := range chain {
+		st, err := row.build(b)
+		if err != nil {
+			b.hooks.close(context.Background())
+			return nil, fmt.Errorf("decode: %s stage: %w", row.name, err)
+		}
+		b.hooks.add(st)
+		size := *row.size(&o.Stages)
+		stages = append(stages, pipeline.StageConfig[*job.Job]{
+			Name: row.name, Workers: size.Workers, Capacity: size.Queue, Stage: st, SeesFailed: row.seesFailed,
+		})
+	}
+	w.hooks, w.hs, w.rn = b.hooks, b.hs.Cache, b.pl.Leases()
+	p, err := pipeline.New(pipeline.Config[*job.Job]{
+		Stages:     stages,
+		Sink:       w.sink,
+		Registerer: reg,
+		Logger:     log,
+	})
+	if err != nil {
+		w.hooks.close(context.Background())
+		return nil, err
+	}
+	w.p = p
+	return w, nil
+}
+
+func (w *Worker) registerMetrics(reg prometheus.Registerer) error {
 	w.requests = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_decode_requests_total", Help: "Decode requests by outcome (done, failed).",
 	}, []string{"outcome"})
@@ -248,18 +261,6 @@ func New(o Options) (*Worker, error) {
 	w.bytes = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kvflow_decode_bytes_total", Help: "Bytes pulled by requests that ended done.",
 	})
-	w.stale = prometheus.NewCounter(prometheus.CounterOpts{
-		Name: "kvflow_decode_stale_reads_refused_total",
-		Help: "Requests failed instead of read because their read would start past the prefill's abort timeout at a rank without a lease (blocks may have been freed).",
-	})
-	w.lost = prometheus.NewCounter(prometheus.CounterOpts{
-		Name: "kvflow_decode_lease_lost_reads_total",
-		Help: "Requests failed instead of read, or after their read, because no RENEW of theirs at a leased prefill rank was acknowledged within the lease TTL less a margin (the prefill may have freed the blocks).",
-	})
-	w.shutdownDones = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "kvflow_decode_shutdown_dones_total",
-		Help: "DONEs sent at shutdown for requests canceled before their notify stage (the prefill then frees their blocks at once), by result (acked, failed).",
-	}, []string{"result"})
 	w.failures = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_decode_failures_total",
 		Help: "Failed decode requests by reason: aborted, shutdown, timeout, incompatible (peer cache or topology differs), stale (stale read or lost lease refused), peer_restarted, short_read, or the stage that failed (handshake, read, stitch, notify), other.",
@@ -267,106 +268,16 @@ func New(o Options) (*Worker, error) {
 	for _, r := range failureReasons {
 		w.failures.WithLabelValues(r)
 	}
-	for _, r := range []string{"acked", "failed"} {
-		w.shutdownDones.WithLabelValues(r)
-	}
-	for _, c := range []prometheus.Collector{w.requests, w.latency, w.bytes, w.stale, w.lost, w.shutdownDones, w.failures} {
+	for _, c := range []prometheus.Collector{w.requests, w.latency, w.bytes, w.failures} {
 		if err := reg.Register(c); err != nil {
-			return nil, fmt.Errorf("decode: register metrics: %w", err)
+			return fmt.Errorf("decode: register metrics: %w", err)
 		}
 	}
 	for _, oc := range []string{"done", "failed"} {
 		w.requests.WithLabelValues(oc)
 		w.latency.WithLabelValues(oc)
 	}
-	hs, err := handshake.NewCache(o.Fetcher, handshake.Options{
-		Size: o.HandshakeCacheSize, Timeout: o.HandshakeTimeout, LocalEngineID: o.LocalEngineID, Registerer: reg,
-	})
-	if err != nil {
-		return nil, err
-	}
-	w.hs = hs
-	var compat *handshake.Compat
-	if o.LocalCache != nil {
-		compat, err = handshake.NewCompat(handshake.CompatOptions{
-			Topology: o.Topology, Layout: o.Layout, Local: *o.LocalCache, Segments: o.PeerBuffers, Registerer: reg,
-		})
-		if err != nil {
-			return nil, err
-		}
-	}
-	hsCheck := handshake.Stage{Cache: hs, Compat: compat}
-	rd, err := read.New(o.Transfer, read.Options{
-		Layout: o.Layout, Local: o.Local, PerSession: o.PerSession, Timeout: o.ReadTimeout, Registerer: reg,
-		BlockSize: o.BlockSize, NoFuse: o.NoFusedStitch,
-		Invalidate: func(j *job.Job, i int) { hs.Invalidate(handshake.KeyOf(j, i)) },
-		// A read that failed because its peer may have restarted re-fetches
-		// the peer's metadata (one fetch for all the reads that failed on
-		// the same metadata) and is retried once when the new process can
-		// hold the request and its deadline allows.
-		// A restarted peer's metadata is checked like any other before a
-		// byte of it is read: it may have come back with another cache.
-		Refetch: func(ctx context.Context, j *job.Job, i int, used job.Meta, failedAt time.Time) (job.Meta, error) {
-			fresh, err := hs.Refetch(ctx, handshake.KeyOf(j, i), used, failedAt)
-			if err != nil || compat == nil {
-				return fresh, err
-			}
-			held := j.Metas[i]
-			j.Metas[i] = fresh
-			err = hsCheck.CheckTask(ctx, j, i)
-			j.Metas[i] = held
-			if err != nil {
-				return job.Meta{}, err
-			}
-			return fresh, nil
-		},
-		BeforeRetry: func(j *job.Job, i int) error {
-			if w.rn == nil && o.PeerAbortTimeout <= 0 {
-				return nil
-			}
-			return w.guard().check(j, i)
-		},
-	})
-	if err != nil {
-		return nil, err
-	}
-	nt, err := notify.New(o.Sender, notify.Options{Timeout: o.NotifyTimeout, Logger: log, Registerer: reg})
-	if err != nil {
-		return nil, err
-	}
-	st := o.Stages
-	var hsStage pipeline.Stage[*job.Job] = hsCheck
-	if o.Renewer != nil {
-		if w.rn, err = newRenewer(o.Renewer, w.log, reg); err != nil {
-			return nil, fmt.Errorf("decode: register metrics: %w", err)
-		}
-		hsStage = leaseStage{Stage: hsCheck, rn: w.rn}
-	}
-	var rdStage pipeline.Stage[*job.Job] = rd
-	if o.PeerAbortTimeout > 0 || w.rn != nil {
-		rdStage = w.guard(rd)
-	}
-	p, err := pipeline.New(pipeline.Config[*job.Job]{
-		Stages: []pipeline.StageConfig[*job.Job]{
-			{Name: "plan", Workers: st.Plan.Workers, Capacity: st.Plan.Capacity, Stage: planstage.Stage{Topology: o.Topology, Self: o.Self}},
-			{Name: "handshake", Workers: st.Handshake.Workers, Capacity: st.Handshake.Capacity, Stage: hsStage},
-			{Name: "read", Workers: st.Read.Workers, Capacity: st.Read.Capacity, Stage: rdStage},
-			{Name: "stitch", Workers: st.Stitch.Workers, Capacity: st.Stitch.Capacity, Stage: stitch.Stage{Kernel: o.Kernel}},
-			{Name: "notify", Workers: st.Notify.Workers, Capacity: st.Notify.Capacity, Stage: nt, SeesFailed: true},
-		},
-		Sink:       w.sink,
-		Registerer: reg,
-		Logger:     log,
-	})
-	if err != nil {
-		if w.rn != nil {
-			w.rn.close()
-		}
-		return nil, err
-	}
-	w.p = p
-	w.bgCtx, w.bgCancel = context.WithCancel(context.Background())
-	return w, nil
+	return nil
 }
 
 // Load submits requests; it blocks while the pipeline is full (ctx bounds
@@ -401,15 +312,9 @@ func (w *Worker) load(ctx context.Context, r LoadRequest) error {
 	}
 	w.inflight[r.RequestID] = j
 	w.mu.Unlock()
-	if w.rn != nil {
-		// Leased from now: it may wait in a queue longer than the
-		// prefill's abort timeout before its handshake.
-		w.leaseAtAdmission(j)
-	}
+	w.hooks.admit(j) // e.g. leased from now: it may queue past the prefill's abort timeout
 	if err := w.p.Submit(ctx, j); err != nil {
-		if w.rn != nil {
-			w.rn.remove(r.RequestID) // never submitted: no sink will
-		}
+		w.hooks.unadmit(j) // never submitted: no sink will end it
 		w.mu.Lock()
 		delete(w.inflight, r.RequestID)
 		w.mu.Unlock()
@@ -491,215 +396,14 @@ func (w *Worker) Status() Status {
 }
 
 // Close stops intake and drains in-flight requests until ctx ends; then
-// cancels the rest, which end as failed ("canceled"). Leases are renewed
-// while requests drain, and renewals stop once the pipeline is closed.
+// cancels the rest, which end as failed ("canceled"). Then the stages
+// close, last first: notify sends the DONEs owed by requests canceled
+// before it, and the plan stage stops its fetches and lease renewals
+// (renewed while requests drained).
 func (w *Worker) Close(ctx context.Context) error {
 	err := w.p.Close(ctx)
-	w.mu.Lock()
-	w.closing = true
-	rel := w.release
-	w.release = nil
-	w.mu.Unlock()
-	w.sendReleases(ctx, rel)
-	w.bgCancel()
-	w.bg.Wait()
-	if w.rn != nil {
-		w.rn.close()
-	}
+	w.hooks.close(ctx)
 	return err
-}
-
-// release names the DONEs a request canceled at shutdown still owes.
-type release struct {
-	id        string
-	endpoints []string
-}
-
-// releaseOf is the release a result owes: a request canceled (by Close,
-// past its drain deadline) in a stage before notify has sent no DONE, and
-// its reads have stopped (a canceled batch returns only once the engine
-// no longer touches its memory), so its DONEs are safe to send. One
-// canceled in notify itself may have delivered some already (a DONE
-// counted twice could free a block another decode rank still reads): it
-// owes none here.
-// A request canceled before it was planned is planned here for its
-// endpoints.
-func (w *Worker) releaseOf(r pipeline.Result[*job.Job]) release {
-	j := r.Item
-	if r.Outcome != pipeline.Canceled || r.Stage == "notify" {
-		return release{}
-	}
-	if err := planstage.Plan(w.opts.Topology, w.opts.Self, j); err != nil {
-		return release{}
-	}
-	// One DONE per task, as notify sends: the prefill rank counts them
-	// (plan.PrefillExpectedDones counts tasks).
-	rel := release{id: j.Req.ID}
-	for i := range j.Plan.Tasks {
-		rel.endpoints = append(rel.endpoints, j.HandshakeEndpoint(i))
-	}
-	return rel
-}
-
-// ReleaseTimeout bounds the DONEs Close sends for requests it canceled,
-// beyond Close's own context (which has usually ended by then).
-var ReleaseTimeout = 2 * time.Second
-
-// sendReleases sends the DONEs of requests canceled at shutdown, at most 16
-// at a time, within ReleaseTimeout. A prefill that misses one frees those
-// blocks at its abort timeout (or lease expiry), as it would have anyway.
-func (w *Worker) sendReleases(ctx context.Context, rel []release) {
-	if len(rel) == 0 {
-		return
-	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ReleaseTimeout)
-	defer cancel()
-	var g errgroup.Group
-	g.SetLimit(16)
-	var acked, failed atomic.Int64
-	for _, r := range rel {
-		for _, ep := range r.endpoints {
-			g.Go(func() error {
-				if err := w.opts.Sender.SendDone(ctx, ep, r.id); err != nil {
-					failed.Add(1)
-				} else {
-					acked.Add(1)
-				}
-				return nil
-			})
-		}
-	}
-	g.Wait()
-	w.shutdownDones.WithLabelValues("acked").Add(float64(acked.Load()))
-	w.shutdownDones.WithLabelValues("failed").Add(float64(failed.Load()))
-	w.log.Info("sent DONEs for requests canceled at shutdown", "requests", len(rel), "acked", acked.Load(), "failed", failed.Load())
-}
-
-// guard is the worker's stale-read guard around stage (nil: the check
-// alone, for BeforeRetry).
-func (w *Worker) guard(stage ...pipeline.Stage[*job.Job]) staleGuard {
-	g := staleGuard{abort: w.opts.PeerAbortTimeout, now: time.Now, refused: w.stale, lost: w.lost}
-	if len(stage) > 0 {
-		g.Stage = stage[0]
-	}
-	if w.rn != nil {
-		// A lease protects only when this worker renews it.
-		g.leases = w.rn
-	}
-	return g
-}
-
-// staleGuard is the read stage behind the stale-read checks: the abort
-// timeout at ranks without a lease this worker renews
-// (Options.PeerAbortTimeout), the lease at the others (Options.Renewer).
-// A read is refused when it would start past either; one that started in
-// time and ended past a lease fails too (the prefill may have freed and
-// reused the blocks while it ran). Notify still sends the DONEs.
-type staleGuard struct {
-	pipeline.Stage[*job.Job]
-	abort   time.Duration
-	now     func() time.Time
-	leases  leaseView // nil: no Renewer
-	refused prometheus.Counter
-	lost    prometheus.Counter
-}
-
-func (s staleGuard) Process(ctx context.Context, j *job.Job) error {
-	if err := s.checkAll(j, "started"); err != nil {
-		return err
-	}
-	if err := s.Stage.Process(ctx, j); err != nil {
-		return err
-	}
-	return s.checkLeases(j)
-}
-
-// check is the guard for task i alone (a read retried after its peer
-// restarted: j.Metas[i] is the re-fetched metadata), counted.
-func (s staleGuard) check(j *job.Job, i int) error {
-	return s.count(staleTask(j, i, s.abort, s.now(), s.leases, "started"))
-}
-
-func (s staleGuard) checkAll(j *job.Job, when string) error {
-	return s.count(staleRead(j, s.abort, s.now(), s.leases, when))
-}
-
-// checkLeases re-checks j's leases once its read ended: the bytes came
-// from blocks the prefill held throughout only if the leases still hold.
-func (s staleGuard) checkLeases(j *job.Job) error {
-	if s.leases == nil {
-		return nil
-	}
-	return s.checkAll(j, "ended")
-}
-
-func (s staleGuard) count(err error) error {
-	switch {
-	case err == nil:
-	case errors.Is(err, ErrLeaseLost):
-		s.lost.Inc()
-	default:
-		s.refused.Inc()
-	}
-	return err
-}
-
-// staleRead is ErrStaleRead, with its reason, if j's read starting (or,
-// when is "ended", ending) at now cannot be trusted at some task's rank
-// (staleTask).
-func staleRead(j *job.Job, abort time.Duration, now time.Time, leases leaseView, when string) error {
-	for i := range j.Plan.Tasks {
-		if err := staleTask(j, i, abort, now, leases, when); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// staleTask is the guard for task i at now:
-//   - a rank that advertised a lease and where this worker renews j's
-//     request (leases knows it): ErrLeaseLost once its hold ends — the
-//     send time of the last acknowledged RENEW (before any, the lease
-//     start) plus the TTL less leaseMargin — or once an ACK came back
-//     after that (it may have been an ACK of a request already freed);
-//   - any other rank, when read starts: ErrStaleRead once now is past
-//     abort after j's admission: the prefill may have force-freed the
-//     blocks (it started its own timer before j was admitted here) and
-//     given them to another request. When a read ends it is not checked
-//     again (no lease says more).
-func staleTask(j *job.Job, i int, abort time.Duration, now time.Time, leases leaseView, when string) error {
-	if leases != nil && j.Metas[i].LeaseTTL > 0 {
-		if h, ok := leases.leaseOf(j.Req.ID, j.HandshakeEndpoint(i)); ok {
-			return holdErr(h, now, i, j.HandshakeEndpoint(i), when)
-		}
-	}
-	if when != "started" {
-		return nil
-	}
-	age := now.Sub(j.Submitted)
-	if abort <= 0 || age <= abort {
-		return nil
-	}
-	return fmt.Errorf("%w: task %d (%s): read started %v after admission, past the prefill's abort timeout %v; blocks may have been freed",
-		ErrStaleRead, i, j.HandshakeEndpoint(i), age.Round(time.Millisecond), abort)
-}
-
-// holdErr is ErrLeaseLost, with its reason, if h does not hold at now.
-func holdErr(h leaseHold, now time.Time, i int, endpoint, when string) error {
-	end := h.until(h.ttl)
-	var why string
-	switch {
-	case h.lapsed:
-		why = "a RENEW was acknowledged only after the lease may have run out"
-	case now.After(end) && h.acked.IsZero():
-		why = fmt.Sprintf("no RENEW acknowledged in the %v since the lease started", now.Sub(h.since).Round(time.Millisecond))
-	case now.After(end):
-		why = fmt.Sprintf("no RENEW acknowledged in the %v since the last acknowledged one was sent", now.Sub(h.acked).Round(time.Millisecond))
-	default:
-		return nil
-	}
-	return fmt.Errorf("%w: task %d (%s): read %s when %s (lease ttl %v, trusted for %v of it); the prefill may have freed the blocks",
-		ErrLeaseLost, i, endpoint, when, why, h.ttl, h.ttl-leaseMargin(h.ttl))
 }
 
 func (w *Worker) sink(r pipeline.Result[*job.Job]) {
@@ -727,14 +431,8 @@ func (w *Worker) sink(r pipeline.Result[*job.Job]) {
 		reason = failureReason(err, r.Stage)
 	}
 	lat := time.Since(j.Submitted)
-	if w.rn != nil {
-		w.rn.remove(j.Req.ID)
-	}
-	rel := w.releaseOf(r)
+	w.hooks.end(r)
 	w.mu.Lock()
-	if rel.id != "" {
-		w.release = append(w.release, rel)
-	}
 	delete(w.inflight, j.Req.ID)
 	if err == nil {
 		w.done = append(w.done, j.Req.ID)

@@ -3,7 +3,6 @@ package decode
 import (
 	"context"
 	"errors"
-	"log/slog"
 	"slices"
 	"sync"
 	"testing"
@@ -14,6 +13,7 @@ import (
 
 	"github.com/kvflow/kvflow/stages/job"
 	"github.com/kvflow/kvflow/stages/plan"
+	"github.com/kvflow/kvflow/stages/read"
 )
 
 type renewCall struct {
@@ -65,83 +65,6 @@ func leaseJob(id string, ports []int, ttls []time.Duration) *job.Job {
 		j.Metas = append(j.Metas, job.Meta{LeaseTTL: ttls[i]})
 	}
 	return j
-}
-
-// TestRenewer runs on synctest's clock: every gap it checks is the
-// renewer's own schedule, not the machine's load.
-func TestRenewer(t *testing.T) {
-	synctest.Test(t, testRenewer)
-}
-
-func testRenewer(t *testing.T) {
-	const ttl = 150 * time.Millisecond
-	f := &fakeRenewer{block: map[string]bool{"127.0.0.1:3": true}}
-	rn, err := newRenewer(f, slog.New(slog.DiscardHandler), prometheus.NewRegistry())
-	if err != nil {
-		t.Fatal(err)
-	}
-	start := time.Now()
-	// a: two tasks on port 1 (one lease there), one on port 2 without leases.
-	rn.add(leaseJob("a", []int{1, 1, 2}, []time.Duration{ttl, ttl, 0}))
-	rn.add(leaseJob("b", []int{1}, []time.Duration{ttl}))
-	rn.add(leaseJob("seed", []int{2}, []time.Duration{0})) // a seed peer: never renewed
-	rn.add(leaseJob("dead", []int{3}, []time.Duration{ttl}))
-	if rn.len() != 3 {
-		t.Fatalf("leased %d, want 3", rn.len())
-	}
-	time.Sleep(ttl)
-	first := f.to("127.0.0.1:1")
-	if len(first) == 0 || first[0].at.Sub(start) > 50*time.Millisecond {
-		t.Fatalf("first renewal not prompt: %+v", first)
-	}
-	if !slices.Equal(first[0].ids, []string{"a", "b"}) {
-		t.Fatalf("first batch %v, want [a b] in one message", first[0].ids)
-	}
-	if len(f.to("127.0.0.1:2")) != 0 {
-		t.Fatal("RENEW sent to a peer that did not advertise leases")
-	}
-	time.Sleep(2 * ttl)
-	calls := f.to("127.0.0.1:1")
-	// About every ttl/3 (50 ms) over 450 ms: at least 5, at most ~10.
-	if len(calls) < 5 || len(calls) > 12 {
-		t.Fatalf("%d renewals of port 1 in %v (ttl %v)", len(calls), time.Since(start), ttl)
-	}
-	for i := 1; i < len(calls); i++ {
-		if gap := calls[i].at.Sub(calls[i-1].at); gap > ttl/2 {
-			t.Fatalf("renewal gap %v > ttl/2", gap)
-		}
-	}
-	// The dead peer's calls (each blocked until its timeout) never overlap.
-	if n := len(f.to("127.0.0.1:3")); n == 0 || n > 5 {
-		t.Fatalf("%d calls to the blocked peer", n)
-	}
-	rn.remove("a")
-	rn.remove("b")
-	n := len(f.to("127.0.0.1:1"))
-	time.Sleep(ttl)
-	if got := len(f.to("127.0.0.1:1")); got > n+1 {
-		t.Fatalf("renewals went on after remove: %d -> %d", n, got)
-	}
-	rn.add(leaseJob("c", []int{1}, []time.Duration{ttl}))
-	time.Sleep(20 * time.Millisecond)
-	if last := f.to("127.0.0.1:1"); !slices.Equal(last[len(last)-1].ids, []string{"c"}) {
-		t.Fatalf("after remove and add: %v", last[len(last)-1].ids)
-	}
-	done := make(chan struct{})
-	go func() { rn.close(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(2 * time.Second):
-		t.Fatal("close hangs on a blocked call")
-	}
-	n = len(f.snapshot())
-	rn.add(leaseJob("late", []int{1}, []time.Duration{ttl}))
-	time.Sleep(ttl)
-	if len(f.snapshot()) != n {
-		t.Fatalf("renewed after close")
-	}
-	rn.close() // idempotent
-	// synctest.Test fails if a goroutine of the renewer outlives close.
 }
 
 // TestWorkerLeases: the worker renews between handshake and the end of a
@@ -216,9 +139,11 @@ func (f fetcherFunc) GetMeta(ctx context.Context, ep string) (job.Meta, error) {
 
 type transferFunc func(context.Context, string, []plan.Op) error
 
-func (f transferFunc) BatchRead(ctx context.Context, s string, ops []plan.Op) error {
-	return f(ctx, s, ops)
+func (f transferFunc) BatchRead(ctx context.Context, s string, b *read.Batch) error {
+	return f(ctx, s, b.AppendTo(nil))
 }
+
+func (transferFunc) Capabilities() read.Capabilities { return read.Capabilities{} }
 
 type senderFunc func(context.Context, string, string) error
 

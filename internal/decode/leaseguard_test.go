@@ -13,13 +13,14 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/testutil"
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvflow/kvflow/hw/mooncake"
 	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/sidechannel"
+	"github.com/kvflow/kvflow/stages/conf"
 	"github.com/kvflow/kvflow/stages/job"
+	"github.com/kvflow/kvflow/stages/notify"
 	"github.com/kvflow/kvflow/stages/plan"
 )
 
@@ -141,7 +142,7 @@ func newLeaseRig(t *testing.T, ttl time.Duration) *leaseRig {
 	}
 	t.Cleanup(func() { c.Close() })
 	sizes := DefaultStageSizes()
-	sizes.Read = StageSize{1, 64} // the blocker holds it
+	sizes.Read = StageSize{Workers: 1, Queue: 64} // the blocker holds it
 	r.reg = prometheus.NewRegistry()
 	r.w, err = New(Options{
 		Topology: admissionTopology(),
@@ -162,16 +163,16 @@ func newLeaseRig(t *testing.T, ttl time.Duration) *leaseRig {
 			}
 			return de.BatchRead(ctx, session, mops)
 		}),
-		Sender:           c,
-		Renewer:          c,
-		HandshakeTimeout: 5 * time.Second,
-		NotifyTimeout:    300 * time.Millisecond,
-		Stages:           sizes,
-		Layout:           plan.CacheLayout{BlockLen: []uint64{rigBlockLen, rigBlockLen}, CachesPerLayer: 2},
-		Local:            plan.Caches{Base: []uint64{mooncake.AddrOf(r.local[0]), mooncake.AddrOf(r.local[1])}, NumBlocks: rigBlocks},
-		OnFinish:         func(res Result) { r.results <- res },
-		Registerer:       r.reg,
-		Logger:           log,
+		Sender:     c,
+		Renewer:    c,
+		Handshake:  handshakeConfig(5 * time.Second),
+		Notify:     notify.Config{Timeout: conf.Duration(300 * time.Millisecond), Attempts: 1},
+		Stages:     sizes,
+		Layout:     plan.CacheLayout{BlockLen: []uint64{rigBlockLen, rigBlockLen}, CachesPerLayer: 2},
+		Local:      plan.Caches{Base: []uint64{mooncake.AddrOf(r.local[0]), mooncake.AddrOf(r.local[1])}, NumBlocks: rigBlocks},
+		OnFinish:   func(res Result) { r.results <- res },
+		Registerer: r.reg,
+		Logger:     log,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -345,7 +346,7 @@ func TestLeaseGuardRealSockets(t *testing.T) {
 				t.Fatalf("blocker: %v", res.Err)
 			}
 			res := r.result("r")
-			lost := testutil.ToFloat64(r.w.lost)
+			lost := r.w.counter(t, "kvflow_decode_lease_lost_reads_total", "")
 			if !tc.lost {
 				if res.Err != nil || !r.landed([]int{3, 4}, 0x5a) || lost != 0 {
 					t.Fatalf("renewed request: %v (bytes right: %v), %v refused", res.Err, r.landed([]int{3, 4}, 0x5a), lost)
@@ -365,4 +366,12 @@ func TestLeaseGuardRealSockets(t *testing.T) {
 			t.Logf("refused: %v", res.Err)
 		})
 	}
+}
+
+// counter is gathered of w's registry: the worker's metrics and its
+// stages' (the stale-read guard's are the read stage's, the shutdown
+// DONEs' the notify stage's).
+func (w *Worker) counter(t *testing.T, name, label string) float64 {
+	t.Helper()
+	return gathered(t, w.reg.(*prometheus.Registry), name, label)
 }

@@ -63,7 +63,7 @@ func TestCloseReleasesCanceled(t *testing.T) {
 			t.Errorf("DONEs of %s: %v, want %v", id, sent[id], eps)
 		}
 	}
-	if got := testutil.ToFloat64(w.shutdownDones.WithLabelValues("acked")); got != 3 {
+	if got := w.counter(t, "kvflow_decode_shutdown_dones_total", "acked"); got != 3 {
 		t.Errorf("shutdown DONEs acked %v, want 3", got)
 	}
 	if n, err := testutil.GatherAndCount(reg, "kvflow_decode_shutdown_dones_total"); err != nil || n != 2 {

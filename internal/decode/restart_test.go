@@ -10,10 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus/testutil"
-
 	"github.com/kvflow/kvflow/stages/job"
-	"github.com/kvflow/kvflow/stages/plan"
 	"github.com/kvflow/kvflow/stages/read"
 )
 
@@ -53,7 +50,7 @@ func (p *restartingPeer) GetMeta(context.Context, string) (job.Meta, error) {
 	return job.Meta{EngineID: "P", TERPCPort: p.port, BaseAddrs: []uint64{1 << 20, 1<<20 + 4096}, NumBlocks: 8, BootEpoch: p.epoch}, nil
 }
 
-func (p *restartingPeer) BatchRead(ctx context.Context, session string, _ []plan.Op) error {
+func (p *restartingPeer) BatchRead(ctx context.Context, session string, _ *read.Batch) error {
 	p.mu.Lock()
 	gate, live := p.gate, fmt.Sprintf("127.0.0.1:%d", p.port)
 	p.mu.Unlock()
@@ -74,8 +71,10 @@ func (p *restartingPeer) BatchRead(ctx context.Context, session string, _ []plan
 	return nil
 }
 
-func (p *restartingPeer) ClassifyFailure(err error) read.Failure {
-	return read.Failure{ConnLost: errors.Is(err, errConnLost)}
+func (p *restartingPeer) Capabilities() read.Capabilities {
+	return read.Capabilities{Classify: func(err error) read.Failure {
+		return read.Failure{ConnLost: errors.Is(err, errConnLost)}
+	}}
 }
 
 func restartWorker(t *testing.T, p *restartingPeer, opts ...func(*Options)) *Worker {
@@ -128,8 +127,9 @@ func TestRestartAfterAdmissionFails(t *testing.T) {
 	p.gate = gate
 	p.mu.Unlock()
 	ids := loadN(t, w, "r", 16)
-	// Every read stage worker holds a read on the old session.
-	for deadline := time.Now().Add(5 * time.Second); p.waiting.Load() < int32(DefaultStageSizes().Read.Workers); {
+	// Every read stage worker (or every request, when there are more
+	// workers) holds a read on the old session.
+	for deadline := time.Now().Add(5 * time.Second); p.waiting.Load() < int32(min(len(ids), DefaultStageSizes().Read.Workers)); {
 		if time.Now().After(deadline) {
 			t.Fatalf("%d reads started", p.waiting.Load())
 		}
@@ -179,7 +179,7 @@ func TestRetryRefusedPastAbortTimeout(t *testing.T) {
 	if len(failed) != 1 || !strings.Contains(failed[0].Reason, "past the prefill's abort timeout") {
 		t.Fatalf("failed %+v, want the retry refused as stale", failed)
 	}
-	if n := testutil.ToFloat64(w.stale); n != 1 {
+	if n := w.counter(t, "kvflow_decode_stale_reads_refused_total", ""); n != 1 {
 		t.Fatalf("%v stale reads refused, want 1", n)
 	}
 }

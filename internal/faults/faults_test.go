@@ -14,6 +14,7 @@ import (
 	"github.com/kvflow/kvflow/stages/job"
 	"github.com/kvflow/kvflow/stages/notify"
 	"github.com/kvflow/kvflow/stages/plan"
+	"github.com/kvflow/kvflow/stages/read"
 )
 
 type fakeTransfer struct {
@@ -22,12 +23,14 @@ type fakeTransfer struct {
 	err   error
 }
 
-func (f *fakeTransfer) BatchRead(_ context.Context, _ string, ops []plan.Op) error {
+func (f *fakeTransfer) BatchRead(_ context.Context, _ string, b *read.Batch) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.calls = append(f.calls, append([]plan.Op(nil), ops...))
+	f.calls = append(f.calls, b.AppendTo(nil))
 	return f.err
 }
+
+func (f *fakeTransfer) Capabilities() read.Capabilities { return read.Capabilities{} }
 
 type fakeSender struct {
 	mu   sync.Mutex
@@ -231,7 +234,7 @@ func TestTransferKinds(t *testing.T) {
 		t.Run(tc.kind.String(), func(t *testing.T) {
 			in := mustNew(t, Schedule{Seed: 1, Read: tc.rates, MaxDelay: time.Millisecond})
 			ft := &fakeTransfer{}
-			err := in.Transfer(ft).BatchRead(context.Background(), "h:1", ops(5))
+			err := in.Transfer(ft).BatchRead(context.Background(), "h:1", &read.Batch{List: ops(5)})
 			if (err != nil) != tc.wantErr {
 				t.Fatalf("err = %v, want error %v", err, tc.wantErr)
 			}
@@ -248,7 +251,7 @@ func TestTransferKinds(t *testing.T) {
 	// The wrapped transfer's error is returned as is.
 	inner := errors.New("peer gone")
 	in := mustNew(t, Schedule{Read: Rates{Duplicate: 1}})
-	if err := in.Transfer(&fakeTransfer{err: inner}).BatchRead(context.Background(), "h:1", ops(2)); !errors.Is(err, inner) || errors.Is(err, ErrInjected) {
+	if err := in.Transfer(&fakeTransfer{err: inner}).BatchRead(context.Background(), "h:1", &read.Batch{List: ops(2)}); !errors.Is(err, inner) || errors.Is(err, ErrInjected) {
 		t.Errorf("inner error: %v", err)
 	}
 }
@@ -260,7 +263,7 @@ func TestDelayHonoursContext(t *testing.T) {
 	defer cancel()
 	start := time.Now()
 	ft, fs := &fakeTransfer{}, &fakeSender{}
-	if err := in.Transfer(ft).BatchRead(ctx, "h:1", ops(1)); err == nil || err.Error() != "deadline" {
+	if err := in.Transfer(ft).BatchRead(ctx, "h:1", &read.Batch{List: ops(1)}); err == nil || err.Error() != "deadline" {
 		t.Errorf("read: %v", err)
 	}
 	if err := in.Sender(fs).SendDone(ctx, "h:1", "r"); err == nil {
@@ -381,14 +384,14 @@ func TestDisabledAndCounts(t *testing.T) {
 	in := mustNew(t, Schedule{Read: Rates{Fail: 1}, Done: Rates{Drop: 1}})
 	in.SetEnabled(false)
 	ft := &fakeTransfer{}
-	if err := in.Transfer(ft).BatchRead(context.Background(), "h:1", ops(1)); err != nil {
+	if err := in.Transfer(ft).BatchRead(context.Background(), "h:1", &read.Batch{List: ops(1)}); err != nil {
 		t.Fatalf("disabled injector failed a read: %v", err)
 	}
 	if c := in.Counts(); c.Total() != 0 || c.Calls[Read] != 0 {
 		t.Errorf("disabled injector counted: %+v", c)
 	}
 	in.SetEnabled(true)
-	in.Transfer(ft).BatchRead(context.Background(), "h:1", ops(1))
+	in.Transfer(ft).BatchRead(context.Background(), "h:1", &read.Batch{List: ops(1)})
 	in.Sender(&fakeSender{}).SendDone(context.Background(), "h:1", "r")
 	sum := in.Counts().Add(in.Counts())
 	if sum.Of(Read, Fail) != 2 || sum.Of(SendDone, Drop) != 2 || sum.Total() != 4 {

@@ -13,7 +13,6 @@ import (
 	"github.com/kvflow/kvflow/stages/handshake"
 	"github.com/kvflow/kvflow/stages/job"
 	"github.com/kvflow/kvflow/stages/notify"
-	"github.com/kvflow/kvflow/stages/plan"
 	"github.com/kvflow/kvflow/stages/read"
 )
 
@@ -101,51 +100,15 @@ func sleep(ctx context.Context, d time.Duration) error {
 	}
 }
 
-// Transfer wraps t. The wrapper takes compact reads and has a ledger
-// (read.ReadsLedgerTransfer) whatever t takes, and takes strided reads
-// (read.StridedTransfer) when t does, so a P > 1 job under faults is read
-// with its transpose fused, as without them.
+// Transfer wraps t. The wrapper has a ledger (Capabilities.Ledger)
+// whatever t has, and t's other capabilities (strided local rows, gathered
+// remote rows, failure classification), so a job under faults is read the
+// way it would be without them.
 func (in *Injector) Transfer(t read.Transfer) read.Transfer {
-	if _, ok := t.(read.StridedTransfer); ok {
-		return stridedTransfer{transfer{in, t}}
-	}
-	return transfer{in, t}
+	caps := t.Capabilities()
+	caps.Ledger = true
+	return transfer{in: in, t: t, inner: t.Capabilities(), caps: caps}
 }
-
-var _ read.StridedTransfer = stridedTransfer{}
-
-// stridedTransfer is transfer for an inner read.StridedTransfer.
-type stridedTransfer struct{ transfer }
-
-// BatchReadsStrided runs the strided reads under the schedule. Strided
-// reads have no ledger and no prefix form: Truncate and ShortRead run
-// none of the ops and fail the batch (a silent short read could not be
-// told from a whole one here; the ledger tests cover it on the other
-// paths). Fail, Delay and Duplicate act as for the other forms.
-func (t stridedTransfer) BatchReadsStrided(ctx context.Context, session string, r *plan.Reads, row, pitch uint64) error {
-	inner := t.t.(read.StridedTransfer)
-	run := func() error { return inner.BatchReadsStrided(ctx, session, r, row, pitch) }
-	n := r.Len()
-	d := t.in.decide(Read, readKey(session, batch{r: r}), n)
-	switch d.Kind {
-	case Fail:
-		return injected(Read, Fail, session)
-	case Delay:
-		if err := sleep(ctx, d.Delay); err != nil {
-			return err
-		}
-	case Truncate, ShortRead:
-		return injected(Read, d.Kind, fmt.Sprintf("%s: strided, 0 of %d ops run", session, n))
-	case Duplicate:
-		if err := run(); err != nil {
-			return err
-		}
-	}
-	return run()
-}
-
-var _ read.ReadsLedgerTransfer = transfer{}
-var _ read.LedgerTransfer = transfer{}
 
 // Fetcher wraps f.
 func (in *Injector) Fetcher(f handshake.Fetcher) handshake.Fetcher { return fetcher{in, f} }
@@ -154,49 +117,23 @@ func (in *Injector) Fetcher(f handshake.Fetcher) handshake.Fetcher { return fetc
 func (in *Injector) Sender(s notify.Sender) notify.Sender { return sender{in, s} }
 
 type transfer struct {
-	in *Injector
-	t  read.Transfer
+	in    *Injector
+	t     read.Transfer
+	inner read.Capabilities // t's
+	caps  read.Capabilities // the wrapper's: t's with a ledger
 }
 
-// batch is the reads of one call: a task's compact reads (r) or a plain op
-// list (ops).
-type batch struct {
-	r   *plan.Reads
-	ops []plan.Op
-}
-
-func (b batch) len() int {
-	if b.r != nil {
-		return b.r.Len()
-	}
-	return len(b.ops)
-}
-
-func (b batch) at(i int) plan.Op {
-	if b.r != nil {
-		return b.r.At(i)
-	}
-	return b.ops[i]
-}
-
-// prefix is the first n ops, as a list (expanding compact reads: only the
-// truncating faults need it).
-func (b batch) prefix(n int) batch {
-	if b.r != nil {
-		return batch{ops: b.r.AppendTo(nil)[:n]}
-	}
-	return batch{ops: b.ops[:n]}
-}
+func (t transfer) Capabilities() read.Capabilities { return t.caps }
 
 // readKey names a batch by its session and where its first and last ops
 // land: the same request's batch has the same key on every run, compact or
 // not.
-func readKey(session string, b batch) uint64 {
+func readKey(session string, b *read.Batch) uint64 {
 	h := hashString(0, session)
-	n := b.len()
+	n := b.Len()
 	h = mix(h ^ uint64(n))
 	if n > 0 {
-		f, l := b.at(0), b.at(n-1)
+		f, l := b.At(0), b.At(n-1)
 		h = mix(h ^ f.Local)
 		h = mix(h ^ f.Remote)
 		h = mix(h ^ l.Local)
@@ -205,41 +142,19 @@ func readKey(session string, b batch) uint64 {
 	return h
 }
 
-// BatchRead runs ops under the schedule.
-func (t transfer) BatchRead(ctx context.Context, session string, ops []plan.Op) error {
-	return t.apply(ctx, session, batch{ops: ops}, nil)
-}
-
-// BatchReadLedger runs ops under the schedule and, when landed is not nil,
-// reports per op the bytes that really ran — the byte counters of an
-// engine whose completion status lies (a ShortRead returns nil, but its
-// skipped ops show 0 bytes landed). The inner transfer's own ledger is used
-// when it has one.
-func (t transfer) BatchReadLedger(ctx context.Context, session string, ops []plan.Op, landed []uint64) error {
-	return t.apply(ctx, session, batch{ops: ops}, landed)
-}
-
-// BatchReads is BatchRead for compact reads: they reach the inner
-// transfer still compact when it takes them (read.ReadsTransfer) and the
-// fault leaves the batch whole.
-func (t transfer) BatchReads(ctx context.Context, session string, r *plan.Reads) error {
-	return t.apply(ctx, session, batch{r: r}, nil)
-}
-
-// BatchReadsLedger is BatchReadLedger for compact reads.
-func (t transfer) BatchReadsLedger(ctx context.Context, session string, r *plan.Reads, landed []uint64) error {
-	return t.apply(ctx, session, batch{r: r}, landed)
-}
-
-func (t transfer) apply(ctx context.Context, session string, b batch, landed []uint64) error {
-	sub := func(n int) []uint64 {
-		if landed == nil {
-			return nil
-		}
-		return landed[:n]
-	}
-	n := b.len()
+// BatchRead runs b under the schedule and, when b.Landed is set, reports
+// per op the bytes that really ran — the byte counters of an engine whose
+// completion status lies (a ShortRead returns nil, but its skipped ops
+// show 0 bytes landed). The inner transfer's own ledger is used when it
+// has one. A strided batch (local rows or gathered remote rows) has no
+// ledger and no prefix form: Truncate and ShortRead run none of its ops
+// and fail it (a silent short read could not be told from a whole one
+// there; the ledger tests cover it on the plain form). Fail, Delay and
+// Duplicate act on every form.
+func (t transfer) BatchRead(ctx context.Context, session string, b *read.Batch) error {
+	n := b.Len()
 	d := t.in.decide(Read, readKey(session, b), n)
+	strided := b.Row > 0 || b.Gather
 	switch d.Kind {
 	case Fail:
 		return injected(Read, Fail, session)
@@ -248,8 +163,15 @@ func (t transfer) apply(ctx context.Context, session string, b batch, landed []u
 			return err
 		}
 	case Truncate, ShortRead:
+		if strided {
+			return injected(Read, d.Kind, fmt.Sprintf("%s: strided, 0 of %d ops run", session, n))
+		}
 		if d.Keep > 0 {
-			if err := t.run(ctx, session, b.prefix(d.Keep), sub(d.Keep)); err != nil {
+			pre := &read.Batch{List: b.AppendTo(nil)[:d.Keep]}
+			if b.Landed != nil {
+				pre.Landed = b.Landed[:d.Keep]
+			}
+			if err := t.run(ctx, session, pre); err != nil {
 				return err
 			}
 		}
@@ -258,49 +180,27 @@ func (t transfer) apply(ctx context.Context, session string, b batch, landed []u
 		}
 		return injected(Read, Truncate, fmt.Sprintf("%s: %d of %d ops run", session, d.Keep, n))
 	case Duplicate:
-		if err := t.run(ctx, session, b, sub(n)); err != nil {
+		if err := t.run(ctx, session, b); err != nil {
 			return err
 		}
 	}
-	return t.run(ctx, session, b, sub(n))
+	return t.run(ctx, session, b)
 }
 
-// run hands b to the inner transfer in the richest form it takes: compact
-// reads stay compact for a read.ReadsTransfer and are expanded otherwise;
-// landed (when not nil) comes from the inner ledger, or is every op's
-// length when a ledger-less inner transfer succeeds.
-func (t transfer) run(ctx context.Context, session string, b batch, landed []uint64) error {
-	if b.r != nil {
-		switch in := t.t.(type) {
-		case read.ReadsLedgerTransfer:
-			if landed != nil {
-				return in.BatchReadsLedger(ctx, session, b.r, landed)
-			}
-			return in.BatchReads(ctx, session, b.r)
-		case read.ReadsTransfer:
-			err := in.BatchReads(ctx, session, b.r)
-			if err == nil && landed != nil {
-				i := 0
-				for k := range b.r.Tensors() {
-					tr := b.r.Tensor(k)
-					for j := range b.r.Runs() {
-						landed[i] = tr.Len * uint64(b.r.Run(j).Blocks)
-						i++
-					}
-				}
-			}
-			return err
-		}
-		b = batch{ops: b.r.AppendTo(nil)}
+// run hands b to the inner transfer; b.Landed (when set) comes from the
+// inner ledger, or is every op's length when a ledger-less inner transfer
+// succeeds.
+func (t transfer) run(ctx context.Context, session string, b *read.Batch) error {
+	if b.Landed == nil || t.inner.Ledger {
+		return t.t.BatchRead(ctx, session, b)
 	}
-	ops := b.ops
-	if lt, ok := t.t.(read.LedgerTransfer); ok && landed != nil {
-		return lt.BatchReadLedger(ctx, session, ops, landed)
-	}
-	err := t.t.BatchRead(ctx, session, ops)
-	if err == nil && landed != nil {
-		for i, op := range ops {
-			landed[i] = op.Len
+	landed := b.Landed
+	inner := *b
+	inner.Landed = nil
+	err := t.t.BatchRead(ctx, session, &inner)
+	if err == nil {
+		for i := range landed {
+			landed[i] = b.At(i).Len
 		}
 	}
 	return err

@@ -12,8 +12,8 @@ import (
 	"github.com/kvflow/kvflow/stages/read"
 )
 
-// readsFake takes compact reads (read.ReadsTransfer, no ledger) and
-// records what each call got, expanded, and whether it came compact.
+// readsFake has no ledger; it records what each call got, expanded, and
+// whether it came compact.
 type readsFake struct {
 	mu      sync.Mutex
 	calls   [][]plan.Op
@@ -27,17 +27,15 @@ func (f *readsFake) add(ops []plan.Op, compact bool) {
 	f.compact = append(f.compact, compact)
 }
 
-func (f *readsFake) BatchRead(_ context.Context, _ string, ops []plan.Op) error {
-	f.add(slices.Clone(ops), false)
+func (f *readsFake) BatchRead(_ context.Context, _ string, b *read.Batch) error {
+	if b.Landed != nil {
+		return errors.New("ledger asked of a transfer without one")
+	}
+	f.add(b.AppendTo(nil), b.Reads != nil)
 	return nil
 }
 
-func (f *readsFake) BatchReads(_ context.Context, _ string, r *plan.Reads) error {
-	f.add(r.AppendTo(nil), true)
-	return nil
-}
-
-var _ read.ReadsTransfer = (*readsFake)(nil)
+func (f *readsFake) Capabilities() read.Capabilities { return read.Capabilities{} }
 
 // testReads is 10 ops: 2 tensors x 5 single-block runs.
 func testReads(t *testing.T) *plan.Reads {
@@ -59,7 +57,7 @@ func testReads(t *testing.T) *plan.Reads {
 func TestTransferCompactReads(t *testing.T) {
 	rd := testReads(t)
 	all := rd.AppendTo(nil)
-	if readKey("h:1", batch{r: rd}) != readKey("h:1", batch{ops: all}) {
+	if readKey("h:1", &read.Batch{Reads: rd}) != readKey("h:1", &read.Batch{List: all}) {
 		t.Fatal("compact and expanded batches have different keys")
 	}
 	for _, kind := range []Kind{None, Fail, Delay, Truncate, ShortRead, Duplicate} {
@@ -80,11 +78,15 @@ func TestTransferCompactReads(t *testing.T) {
 			s := Schedule{Seed: 3, Read: rates, MaxDelay: time.Millisecond}
 			// The same call as a plain op list, for reference.
 			ref := &fakeTransfer{}
-			refErr := mustNew(t, s).Transfer(ref).BatchRead(context.Background(), "h:1", all)
+			refErr := mustNew(t, s).Transfer(ref).BatchRead(context.Background(), "h:1", &read.Batch{List: all})
 
 			f := &readsFake{}
 			landed := make([]uint64, rd.Len())
-			err := mustNew(t, s).Transfer(f).(read.ReadsLedgerTransfer).BatchReadsLedger(context.Background(), "h:1", rd, landed)
+			tr := mustNew(t, s).Transfer(f)
+			if !tr.Capabilities().Ledger {
+				t.Fatal("the wrapper has no ledger")
+			}
+			err := tr.BatchRead(context.Background(), "h:1", &read.Batch{Reads: rd, Landed: landed})
 			if (err != nil) != (refErr != nil) || (err != nil && !errors.Is(err, ErrInjected)) {
 				t.Fatalf("err %v, op-list call %v", err, refErr)
 			}
@@ -117,17 +119,22 @@ func TestTransferCompactReads(t *testing.T) {
 	}
 }
 
-// stridedFake also takes strided reads, recording the stride.
+// stridedFake also takes strided reads (LocalStride), recording the
+// stride.
 type stridedFake struct {
 	readsFake
 	strides [][2]uint64
 }
 
-func (f *stridedFake) BatchReadsStrided(_ context.Context, _ string, r *plan.Reads, row, pitch uint64) error {
-	f.add(r.AppendTo(nil), true)
-	f.mu.Lock()
-	f.strides = append(f.strides, [2]uint64{row, pitch})
-	f.mu.Unlock()
+func (f *stridedFake) Capabilities() read.Capabilities { return read.Capabilities{LocalStride: true} }
+
+func (f *stridedFake) BatchRead(_ context.Context, _ string, b *read.Batch) error {
+	f.add(b.AppendTo(nil), true)
+	if b.Row > 0 {
+		f.mu.Lock()
+		f.strides = append(f.strides, [2]uint64{b.Row, b.Pitch})
+		f.mu.Unlock()
+	}
 	return nil
 }
 
@@ -136,7 +143,7 @@ func (f *stridedFake) BatchReadsStrided(_ context.Context, _ string, r *plan.Rea
 // never in part, and a cut one (Truncate, ShortRead) fails: with no
 // ledger, a silent partial read could not be caught.
 func TestTransferStridedReads(t *testing.T) {
-	if _, ok := mustNew(t, Schedule{}).Transfer(&readsFake{}).(read.StridedTransfer); ok {
+	if mustNew(t, Schedule{}).Transfer(&readsFake{}).Capabilities().LocalStride {
 		t.Fatal("wrapper of a non-strided transfer offers strided reads")
 	}
 	rd := testReads(t)
@@ -155,11 +162,11 @@ func TestTransferStridedReads(t *testing.T) {
 	} {
 		t.Run(c.kind.String(), func(t *testing.T) {
 			f := &stridedFake{}
-			tr, ok := mustNew(t, Schedule{Seed: 3, Read: c.rates, MaxDelay: time.Millisecond}).Transfer(f).(read.StridedTransfer)
-			if !ok {
+			tr := mustNew(t, Schedule{Seed: 3, Read: c.rates, MaxDelay: time.Millisecond}).Transfer(f)
+			if !tr.Capabilities().LocalStride {
 				t.Fatal("wrapper of a strided transfer does not offer strided reads")
 			}
-			err := tr.BatchReadsStrided(context.Background(), "h:1", rd, 16, 64)
+			err := tr.BatchRead(context.Background(), "h:1", &read.Batch{Reads: rd, Row: 16, Pitch: 64})
 			if (err != nil) != c.fails || (err != nil && !errors.Is(err, ErrInjected)) {
 				t.Fatalf("err %v, want failure %v", err, c.fails)
 			}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net"
-	"slices"
 	"strconv"
 
 	"github.com/kvflow/kvflow/hw/mooncake"
@@ -15,7 +14,6 @@ import (
 	"github.com/kvflow/kvflow/stages/job"
 	"github.com/kvflow/kvflow/stages/notify"
 	"github.com/kvflow/kvflow/stages/plan"
-	"github.com/kvflow/kvflow/stages/read"
 )
 
 // The side-channel client is the notify stage's Sender, with batched DONEs.
@@ -29,18 +27,8 @@ func Fetcher(c *sidechannel.Client) handshake.Fetcher { return fetcher{c: c} }
 // FetcherWithCredentials is Fetcher that also hands e the data-plane
 // credential of every GET_META reply (Ext.TEAuth), as a node's decode
 // worker does.
-func FetcherWithCredentials(c *sidechannel.Client, e *mooncake.TCPEngine) handshake.Fetcher {
+func FetcherWithCredentials(c *sidechannel.Client, e mooncake.PeerAuthenticator) handshake.Fetcher {
 	return fetcher{c: c, creds: e}
-}
-
-// Transfer adapts a transfer engine to read.Transfer; an engine that can
-// scatter strided rows (mooncake.StridedReader) becomes a
-// read.StridedTransfer, so the read stage fuses the head transpose.
-func Transfer(e mooncake.Engine) read.Transfer {
-	if s, ok := e.(mooncake.StridedReader); ok {
-		return stridedTransfer{transfer{e}, s}
-	}
-	return transfer{e}
 }
 
 // fetcher turns GET_META replies into job.Meta; with creds, it also hands
@@ -50,6 +38,7 @@ func Transfer(e mooncake.Engine) read.Transfer {
 type fetcher struct {
 	c     *sidechannel.Client
 	creds credentialSetter
+	sh    *sameHost // node.te_backend shm: takes each reply's same-host claim
 }
 
 // credentialSetter is the TCP engine's side of data-plane authentication.
@@ -72,6 +61,9 @@ func (f fetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, error)
 	}
 	if f.creds != nil {
 		f.setCredential(endpoint, m)
+	}
+	if f.sh != nil {
+		f.sh.offer(endpoint, m)
 	}
 	return job.Meta{EngineID: m.EngineID, TERPCPort: m.TERPCPort, BaseAddrs: m.KVCachesBaseAddr,
 		NumBlocks: m.NumBlocks, BootEpoch: m.Ext.BootEpoch, LeaseTTL: m.Ext.LeaseTTL, BatchDone: m.Ext.BatchDone, Cache: m.Ext.Cache}, nil
@@ -130,73 +122,6 @@ func Fingerprint(cfg config.Config, layout npu.Layout) npu.Fingerprint {
 	f.Decode = npu.Sizes{TP: tp.Decode.TP, PP: max(1, tp.Decode.PP), PCP: max(1, tp.Decode.PCP), DCP: max(1, tp.Decode.DCP)}
 	f.Rank = npu.RankPos{TP: cfg.Rank.TP, PP: cfg.Rank.PP, PCP: cfg.Rank.PCP}
 	return f
-}
-
-type transfer struct{ e mooncake.Engine }
-
-// BatchRead converts ops to the engine's op type. The read stage does not
-// use it: it hands the compact reads to BatchReads.
-func (t transfer) BatchRead(ctx context.Context, session string, ops []plan.Op) error {
-	mops := make([]mooncake.Op, len(ops))
-	for i, op := range ops {
-		mops[i] = mooncake.Op{Local: op.Local, Remote: op.Remote, Length: op.Len}
-	}
-	return t.e.BatchRead(ctx, session, mops)
-}
-
-// BatchReads expands a task's compact reads once, straight into the
-// engine's op list (read.ReadsTransfer): the only place the read stage's
-// ops are materialised. The list is new for every batch, since a failed
-// batch's *mooncake.BatchError keeps it.
-func (t transfer) BatchReads(ctx context.Context, session string, r *plan.Reads) error {
-	return t.e.BatchRead(ctx, session, appendEngineOps(make([]mooncake.Op, 0, r.Len()), r))
-}
-
-type stridedTransfer struct {
-	transfer
-	s mooncake.StridedReader
-}
-
-var _ read.StridedTransfer = stridedTransfer{}
-
-// BatchReadsStrided is BatchReads with the engine laying each op's bytes
-// out in rows of row bytes, pitch apart.
-func (t stridedTransfer) BatchReadsStrided(ctx context.Context, session string, r *plan.Reads, row, pitch uint64) error {
-	return t.s.BatchReadStrided(ctx, session, appendEngineOps(make([]mooncake.Op, 0, r.Len()), r), mooncake.Stride{Row: row, Pitch: pitch})
-}
-
-// appendEngineOps appends r's ops to dst as mooncake ops, in r's order
-// (tensor-major, as plan.AppendOps). Like Reads.AppendTo it computes the
-// first tensor of each part from the runs and every later tensor as that
-// one's ops shifted by the two base-address differences (a copy and two
-// adds per op, from ops just written and still in cache).
-func appendEngineOps(dst []mooncake.Op, r *plan.Reads) []mooncake.Op {
-	runs, tensors := r.Runs(), r.Tensors()
-	dst = slices.Grow(dst, r.Len())
-	n0 := len(dst)
-	dst = dst[:n0+r.Len()]
-	out := dst[n0:]
-	parts := min(r.Parts(), tensors)
-	for k := range parts {
-		tr := r.Tensor(k)
-		o := out[k*runs : (k+1)*runs]
-		for j := range o {
-			op := tr.Op(r.Run(j))
-			o[j] = mooncake.Op{Local: op.Local, Remote: op.Remote, Length: op.Len}
-		}
-	}
-	for k := parts; k < tensors; k++ {
-		q := k % parts
-		tk, tq := r.Tensor(k), r.Tensor(q)
-		dl, dr := tk.Local-tq.Local, tk.Remote-tq.Remote
-		src := out[q*runs : (q+1)*runs]
-		o := out[k*runs : (k+1)*runs]
-		o = o[:len(src)]
-		for j, op := range src {
-			o[j] = mooncake.Op{Local: op.Local + dl, Remote: op.Remote + dr, Length: op.Length}
-		}
-	}
-	return dst
 }
 
 // CacheLayout is the planner's view of a device layout.

@@ -175,7 +175,7 @@ func outsider(t *testing.T, n *Node) {
 	for _, v2 := range []bool{true, false} {
 		var hb [mooncake.HeaderSize]byte
 		mooncake.PutHeader(&hb, mooncake.Header{Size: 4096, Addr: n.Device.BaseAddrs()[0], Opcode: mooncake.OpcodeRead, V2: v2})
-		if got := raw(n.Engine.DataPort(), hb[:]); len(got) != 0 {
+		if got := raw(tcpEngine(t, n).DataPort(), hb[:]); len(got) != 0 {
 			t.Fatalf("outsider READ (v2 %v) got %d bytes", v2, len(got))
 		}
 	}
@@ -216,7 +216,7 @@ func TestDataPlanePlain(t *testing.T) {
 			if md := p.Prefill.Metadata(); md.Ext.TEAuth != nil {
 				t.Fatal("metadata carries a credential")
 			}
-			if p.Engine.AuthToken(make([]byte, mooncake.AuthKeySize)) != nil {
+			if tcpEngine(t, p).AuthToken(make([]byte, mooncake.AuthKeySize)) != nil {
 				t.Fatal("engine issues credentials")
 			}
 			// A Mooncake initiator (another engine, no credential).

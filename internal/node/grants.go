@@ -6,22 +6,18 @@ import (
 )
 
 // engineGrants turns a request's block ids into the byte ranges of every
-// cache tensor and grants or revokes them on the TCP engine.
+// cache tensor (npu.BlockRanges) and grants or revokes them on an engine
+// with read grants.
 type engineGrants struct {
-	e *mooncake.TCPEngine
-	d *npu.Host
+	e mooncake.Granter
+	d npu.Device
 }
 
 func (g engineGrants) ranges(blocks []int) []mooncake.Range {
-	l := g.d.Layout()
-	base := g.d.BaseAddrs()
-	out := make([]mooncake.Range, 0, len(base)*len(blocks))
-	for k, b0 := range base {
-		_, part := l.CacheOf(k)
-		bl := uint64(l.BlockLen(part))
-		for _, b := range blocks {
-			out = append(out, mooncake.Range{Addr: b0 + uint64(b)*bl, Length: bl})
-		}
+	rs := npu.BlockRanges(g.d, blocks)
+	out := make([]mooncake.Range, len(rs))
+	for i, r := range rs {
+		out[i] = mooncake.Range{Addr: r.Addr, Length: r.Len}
 	}
 	return out
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/sidechannel"
 	"github.com/kvflow/kvflow/stages/plan"
+	"github.com/kvflow/kvflow/stages/read"
 )
 
 // Deps are what the caller injects.
@@ -35,8 +36,10 @@ type Deps struct {
 type Node struct {
 	Config config.Config
 	Shape  npu.Shape
-	Device *npu.Host
-	Engine *mooncake.TCPEngine
+	// Device is the KV-cache memory and Engine the transfer engine, the
+	// backends cfg chose (backends.go).
+	Device npu.Device
+	Engine mooncake.Engine
 	ZMQ    *sidechannel.Context
 	// Client (decode) makes GET_META calls, with handshake.timeout,
 	// handshake.attempts and handshake.retry_backoff.
@@ -64,10 +67,6 @@ func Start(cfg config.Config, deps Deps) (_ *Node, err error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("node: config: %w", err)
 	}
-	if cfg.Node.TEBackend != "" && cfg.Node.TEBackend != config.BackendTCP {
-		// Validate rejects it too; the node runs only the tcp engine.
-		return nil, fmt.Errorf("node: node.te_backend %q: %w", cfg.Node.TEBackend, config.ErrBackendNotWired)
-	}
 	if deps.Logger == nil {
 		deps.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -93,43 +92,11 @@ func Start(cfg config.Config, deps Deps) (_ *Node, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("node: cache layout: %w", err)
 	}
-	hopts := npu.HostOptions{NoHugePages: cfg.Cache.NoHugePages, RemoveOnClose: cfg.Cache.RemoveOnClose, NoLock: cfg.Cache.NoLock}
-	switch cfg.Cache.Mode {
-	case config.CacheShm:
-		n.Device, err = npu.CreateShm(cfg.CachePath(), layout, hopts)
-	case config.CacheShmAttach:
-		hopts.Expect = &shape
-		n.Device, err = npu.OpenShm(cfg.CachePath(), hopts)
-	default:
-		n.Device, err = npu.NewHost(layout, hopts)
-	}
-	if err != nil {
+	if n.Device, err = openDevice(cfg, layout, shape, log); err != nil {
 		return nil, fmt.Errorf("node: kv cache: %w", err)
 	}
 	n.closers = append(n.closers, func(context.Context) error { return n.Device.Close() })
-	if how := n.Device.Reclaimed(); how != "" {
-		log.Warn("kv cache file left by a dead worker taken over", "path", n.Device.Path(), "how", how)
-	}
-	if locked, lerr := n.Device.Locked(); !locked && lerr != nil {
-		log.Warn("kv cache memory not locked: transfers may fault pages in, and reclaim may take them", "err", lerr)
-	}
-
-	tc := mooncake.DefaultTCPConfig()
-	tc.Host = cfg.TEHost()
-	tc.RPCPort = cfg.Node.TEPort
-	lim := cfg.Node.Limits
-	tc.FirstByteTimeout, tc.IdleTimeout = lim.TEFirstByteTimeout.D(), lim.TEIdleTimeout.D()
-	tc.MaxConns, tc.MaxConnsPerPeer, tc.FDReserve = lim.TEMaxConns, lim.TEMaxConnsPerPeer, lim.FDReserve
-	// A decode worker's cache is read by no one (kvflow and the seed only
-	// pull from prefill): it serves no read at all (grants on, none ever
-	// given), so a peer that reaches its data port cannot read it.
-	tc.ReadGrants = (cfg.Read.Grants != config.GrantsOff && cfg.Role() == config.Prefill) || cfg.Role() == config.Decode
-	// With auth.mode curve both ports serve only peers holding a
-	// credential this worker's side channel issued (a decode worker
-	// issues none: no one may handshake with it or read it).
-	tc.RequireAuth = cfg.Auth.DataPlaneAuth()
-	n.Engine, err = mooncake.NewTCPEngine(tc, deps.Registerer, log)
-	if err != nil {
+	if n.Engine, err = openEngine(cfg, deps, log); err != nil {
 		return nil, fmt.Errorf("node: transfer engine: %w", err)
 	}
 	n.closers = append(n.closers, func(context.Context) error { return n.Engine.Close() })
@@ -178,31 +145,38 @@ func (n *Node) startDecode(log *slog.Logger, layout npu.Layout) error {
 	}
 	n.Notify = nc
 	fp := Fingerprint(cfg, layout)
+	fetch := fetcher{c: hc}
+	if a, ok := n.Engine.(mooncake.PeerAuthenticator); ok {
+		fetch.creds = a
+	}
+	transfer := read.Engine(n.Engine)
+	if cfg.Node.TEBackend == config.BackendShm {
+		sh := newSameHost(transfer, n.Device, n.deps.Registerer, log)
+		n.closers = append(n.closers, func(context.Context) error { return sh.Close() })
+		fetch.sh, transfer = sh, sh
+	}
 	w, err := decode.New(decode.Options{
-		Topology:           cfg.Topology(),
-		Self:               cfg.Self(),
-		LocalEngineID:      cfg.KVTransfer.EngineID,
-		Fetcher:            fetcher{c: hc, creds: n.Engine},
-		Transfer:           Transfer(n.Engine),
-		Kernel:             n.Device,
-		Sender:             nc,
-		Renewer:            nc,
-		Layout:             CacheLayout(layout),
-		Local:              plan.Caches{Base: n.Device.BaseAddrs(), NumBlocks: n.Shape.NumBlocks},
-		LocalCache:         &fp,
-		PeerBuffers:        PeerBuffers(n.Engine),
-		Stages:             stageSizes(cfg.Pipeline),
-		HandshakeCacheSize: cfg.Handshake.CacheSize,
-		HandshakeTimeout:   time.Duration(max(1, cfg.Handshake.Attempts)) * (cfg.Handshake.Timeout.D() + cfg.Handshake.RetryBackoff.D()),
-		NotifyTimeout:      time.Duration(max(1, cfg.Notify.Attempts)) * (cfg.Notify.Timeout.D() + cfg.Notify.RetryBackoff.D()),
-		PerSession:         cfg.Read.PerPeerConcurrency,
-		ReadTimeout:        cfg.Read.Timeout.D(),
-		BlockSize:          cfg.Model.BlockSize,
-		NoFusedStitch:      !cfg.Read.FusedStitch,
-		PeerAbortTimeout:   cfg.Tracker.AbortRequestTimeout.D(),
-		OnFinish:           n.deps.OnFinish,
-		Registerer:         n.deps.Registerer,
-		Logger:             log,
+		Topology:         cfg.Topology(),
+		Self:             cfg.Self(),
+		LocalEngineID:    cfg.KVTransfer.EngineID,
+		Fetcher:          fetch,
+		Transfer:         transfer,
+		Kernel:           n.Device,
+		Sender:           nc,
+		Renewer:          nc,
+		Layout:           CacheLayout(layout),
+		Local:            plan.Caches{Base: n.Device.BaseAddrs(), NumBlocks: n.Shape.NumBlocks},
+		LocalCache:       &fp,
+		PeerBuffers:      PeerBuffers(n.Engine),
+		Stages:           decode.SizesOf(cfg.Pipeline.Pool),
+		Handshake:        cfg.Handshake,
+		Read:             cfg.Read,
+		Notify:           cfg.Notify,
+		BlockSize:        cfg.Model.BlockSize,
+		PeerAbortTimeout: cfg.Tracker.AbortRequestTimeout.D(),
+		OnFinish:         n.deps.OnFinish,
+		Registerer:       n.deps.Registerer,
+		Logger:           log,
 	})
 	if err != nil {
 		return fmt.Errorf("node: decode worker: %w", err)
@@ -247,7 +221,18 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 		mode = prefill.GrantsStrict
 		fallthrough
 	default:
-		grants = engineGrants{e: n.Engine, d: n.Device}
+		g, ok := n.Engine.(mooncake.Granter)
+		if !ok {
+			return fmt.Errorf("node: read.grants %q: the transfer engine has no read grants (set read.grants off)", cfg.Read.Grants)
+		}
+		grants = engineGrants{e: g, d: n.Device}
+	}
+	var claim *sidechannel.SameHost
+	if cfg.Node.TEBackend == config.BackendShm {
+		var err error
+		if grants, claim, err = n.openGrantTable(grants, log); err != nil {
+			return err
+		}
 	}
 	w, err := prefill.New(prefill.Options{
 		Topology:     cfg.Topology(),
@@ -266,7 +251,7 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 			NumBlocks:        n.Shape.NumBlocks,
 			// The cache fingerprint lets kvflow decode workers refuse a
 			// cache shaped other than theirs before reading it.
-			Ext: sidechannel.Ext{BootEpoch: epoch, Cache: &fp},
+			Ext: sidechannel.Ext{BootEpoch: epoch, Cache: &fp, SameHost: claim},
 		},
 	})
 	if err != nil {
@@ -286,7 +271,11 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 	if cfg.Auth.DataPlaneAuth() {
 		// Each authenticated decode gets the transfer-engine credential of
 		// its own CURVE key in its GET_META reply.
-		so.AuthToken = n.Engine.AuthToken
+		a, ok := n.Engine.(mooncake.PeerAuthenticator)
+		if !ok {
+			return fmt.Errorf("node: auth.mode %s: the transfer engine has no data-plane authentication", cfg.Auth.Mode)
+		}
+		so.AuthToken = a.AuthToken
 	}
 	srv, err := sidechannel.NewServer(n.ZMQ, so, w)
 	if err != nil {
@@ -308,15 +297,4 @@ func (n *Node) Close(ctx context.Context) error {
 	}
 	n.closers = nil
 	return errors.Join(errs...)
-}
-
-func stageSizes(p config.Pipeline) decode.StageSizes {
-	w, q := p.Workers, p.Queues
-	return decode.StageSizes{
-		Plan:      decode.StageSize{Workers: w.Plan, Capacity: q.Plan},
-		Handshake: decode.StageSize{Workers: w.Handshake, Capacity: q.Handshake},
-		Read:      decode.StageSize{Workers: w.Read, Capacity: q.Read},
-		Stitch:    decode.StageSize{Workers: w.Stitch, Capacity: q.Stitch},
-		Notify:    decode.StageSize{Workers: w.Notify, Capacity: q.Notify},
-	}
 }

@@ -28,6 +28,11 @@ type topo struct {
 	grants               bool
 	plainDone            bool // prefill: tracker.batch_done off
 	unfused              bool // decode: read.fused_stitch off (the stitch kernel transposes)
+	// shm: node.te_backend shm everywhere, caches in files (issue 21);
+	// shmMismatch: every prefill cache path then names another file
+	// (same header and size, other inode) before any request, so every
+	// decode must fall back to TCP.
+	shm, shmMismatch bool
 }
 
 func gqa(layers int) config.Model {
@@ -120,6 +125,7 @@ func tryCluster(t *testing.T, tp topo, kvPort int) (*cluster, error) {
 			cfg := baseConfig(tp, "prefill", kvPort)
 			cfg.Rank = config.Rank{TP: r, PP: p}
 			cfg.Tracker.BatchDone = !tp.plainDone
+			shmConfig(t, tp, &cfg)
 			reg := prometheus.NewRegistry()
 			n, err := Start(cfg, Deps{Registerer: reg})
 			if err != nil {
@@ -134,6 +140,7 @@ func tryCluster(t *testing.T, tp topo, kvPort int) (*cluster, error) {
 		for r := range tp.decodeTP {
 			cfg := baseConfig(tp, "decode", kvPort+1000)
 			cfg.Rank = config.Rank{TP: r, PP: p}
+			shmConfig(t, tp, &cfg)
 			reg := prometheus.NewRegistry()
 			n, err := Start(cfg, Deps{Registerer: reg, OnFinish: func(res decode.Result) { c.results <- res }})
 			if err != nil {
@@ -207,10 +214,22 @@ func TestEndToEnd(t *testing.T) {
 		{name: "kvflow-decode-pp2-prefill-pp1", prefillTP: 1, decodeTP: 1, decodePP: 2, model: gqa(5)},
 		{name: "kvflow-decode-pp2-prefill-pp2", prefillTP: 2, decodeTP: 1, prefillPP: 2, decodePP: 2, model: decodePartition(gqa(5), "2,3")},
 		{name: "kvflow-decode-pp2-tp1-to-2", prefillTP: 1, decodeTP: 2, decodePP: 2, model: gqa(4)},
+		// node.te_backend shm (issue 21): same-host reads from the mapped
+		// prefill cache files, fused transpose, unfused, head slices
+		// (gather), MLA, strict grants; and a claim that does not hold.
+		{name: "shm-tp1-to-1", prefillTP: 1, decodeTP: 1, model: gqa(4), shm: true},
+		{name: "shm-tp4-to-2-stitch", prefillTP: 4, decodeTP: 2, model: gqa(4), shm: true, grants: true},
+		{name: "shm-tp4-to-2-unfused", prefillTP: 4, decodeTP: 2, model: gqa(4), unfused: true, shm: true},
+		{name: "shm-kvflow-tp1-to-2", prefillTP: 1, decodeTP: 2, model: gqa(3), shm: true, prefixHit: true},
+		{name: "shm-mla-tp2-to-1", prefillTP: 2, decodeTP: 1, model: mla(), shm: true},
+		{name: "shm-mismatch-falls-back", prefillTP: 2, decodeTP: 1, model: gqa(3), shm: true, shmMismatch: true},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			c := startCluster(t, tc)
+			if tc.shmMismatch {
+				replaceCacheFiles(t, c)
+			}
 			const nreq = 6
 			rng := rand.New(rand.NewPCG(uint64(len(tc.name)), 7))
 			type reqInfo struct {
@@ -296,6 +315,9 @@ func TestEndToEnd(t *testing.T) {
 						t.Errorf("decode rank %d: %v jobs read fused, want %v (unfused %v)", d.Config.Rank.TP, fused, want, tc.unfused)
 					}
 				}
+			}
+			if tc.shm {
+				checkSameHostPath(t, c, tc.shmMismatch)
 			}
 			// Every prefill request is freed exactly once, on every rank.
 			freed := map[string]int{}

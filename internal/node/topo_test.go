@@ -135,7 +135,12 @@ func TestKvflowTopologiesHoldTheirHeads(t *testing.T) {
 				}
 			}
 			for _, d := range c.decode {
-				clear(d.Device.Data())
+				l := d.Device.Layout()
+				for layer := range l.Shape().NumLayers {
+					for part := range l.NumParts() {
+						clear(d.Device.Bytes(layer, part))
+					}
+				}
 				for _, r := range reqs {
 					errs := d.Decode.Load(context.Background(), []decode.LoadRequest{{
 						RequestID: r.id, LocalBlockIDs: r.local,
@@ -173,6 +178,24 @@ func TestKvflowTopologiesHoldTheirHeads(t *testing.T) {
 					if bad > 0 {
 						t.Errorf("decode tp %d pp %d request %s: %d wrong bytes, first: %s", d.Config.Rank.TP, d.Config.Rank.PP, r.id, bad, first)
 					}
+				}
+			}
+			// Head slices went as kvflow's strided READ (the TCP engine's
+			// gathered reads, the read stage's default): the prefill ranks
+			// served fewer requests than the decode ranks read token rows
+			// (one READ per row without it).
+			if m := c.decode[0].Config.Model; !m.MLA && tc.decodeTP > tc.prefillTP && m.NumKVHeads/tc.prefillTP > max(1, m.NumKVHeads/tc.decodeTP) {
+				rows, served := 0, 0.0
+				for _, d := range c.decode {
+					for _, r := range reqs {
+						rows += d.Shape.NumLayers * d.Device.Layout().NumParts() * len(r.local) * d.Shape.BlockSize
+					}
+				}
+				for _, p := range c.prefill {
+					served += counter(t, c.regs[p], "kvflow_transfer_ops_total", map[string]string{"direction": "serve_read"})
+				}
+				if served == 0 || served >= float64(rows) {
+					t.Errorf("prefill served %v read requests for %d head-slice rows: strided READ not used", served, rows)
 				}
 			}
 			// Each prefill rank frees each request exactly once.

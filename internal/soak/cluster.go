@@ -17,6 +17,7 @@ import (
 	"github.com/kvflow/kvflow/internal/node"
 	"github.com/kvflow/kvflow/internal/sidechannel"
 	"github.com/kvflow/kvflow/stages/plan"
+	"github.com/kvflow/kvflow/stages/read"
 )
 
 // Options shape a loopback cluster: prefill instances of PrefillTP ranks
@@ -259,25 +260,23 @@ func (c *Cluster) Reset(sched func(rank int) faults.Schedule) error {
 		}
 		n := d.Node
 		cfg := n.Config
-		attempts := time.Duration(max(1, cfg.Handshake.Attempts))
 		w, err := decode.New(decode.Options{
-			Topology:           cfg.Topology(),
-			Self:               cfg.Self(),
-			LocalEngineID:      cfg.KVTransfer.EngineID,
-			Fetcher:            in.Fetcher(node.Fetcher(n.Client)),
-			Transfer:           in.Transfer(node.Transfer(n.Engine)),
-			Sender:             in.Sender(sender{n.Notify, d}),
-			Renewer:            n.Notify,
-			PeerAbortTimeout:   cfg.Tracker.AbortRequestTimeout.D(),
-			Kernel:             n.Device,
-			Layout:             node.CacheLayout(n.Device.Layout()),
-			Local:              plan.Caches{Base: n.Device.BaseAddrs(), NumBlocks: n.Shape.NumBlocks},
-			HandshakeTimeout:   attempts * (cfg.Handshake.Timeout.D() + cfg.Handshake.RetryBackoff.D()),
-			NotifyTimeout:      time.Duration(max(1, cfg.Notify.Attempts)) * (cfg.Notify.Timeout.D() + cfg.Notify.RetryBackoff.D()),
-			PerSession:         cfg.Read.PerPeerConcurrency,
-			HandshakeCacheSize: cfg.Handshake.CacheSize,
-			Registerer:         prometheus.NewRegistry(),
-			Logger:             c.Opts.Logger,
+			Topology:         cfg.Topology(),
+			Self:             cfg.Self(),
+			LocalEngineID:    cfg.KVTransfer.EngineID,
+			Fetcher:          in.Fetcher(node.Fetcher(n.Client)),
+			Transfer:         in.Transfer(read.Engine(n.Engine)),
+			Sender:           in.Sender(sender{n.Notify, d}),
+			Renewer:          n.Notify,
+			PeerAbortTimeout: cfg.Tracker.AbortRequestTimeout.D(),
+			Kernel:           n.Device,
+			Layout:           node.CacheLayout(n.Device.Layout()),
+			Local:            plan.Caches{Base: n.Device.BaseAddrs(), NumBlocks: n.Shape.NumBlocks},
+			Handshake:        cfg.Handshake,
+			Read:             cfg.Read,
+			Notify:           cfg.Notify,
+			Registerer:       prometheus.NewRegistry(),
+			Logger:           c.Opts.Logger,
 		})
 		if err != nil {
 			return err

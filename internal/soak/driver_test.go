@@ -160,7 +160,7 @@ func TestPrefillKilled(t *testing.T) {
 
 // A transfer that runs only some of a batch's ops and reports success (a
 // silent partial transfer) must fail the request: the read stage's byte
-// ledger (stages/read LedgerTransfer) reconciles the bytes that landed per
+// ledger (stages/read Capabilities.Ledger) reconciles the bytes that landed per
 // op with the manifest it posted. Were the ledger bypassed, the request
 // would end done with missing bytes; the test would then skip naming it.
 func TestShortReadGap(t *testing.T) {

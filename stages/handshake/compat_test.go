@@ -14,7 +14,6 @@ import (
 	"github.com/kvflow/kvflow/hw/npu"
 	"github.com/kvflow/kvflow/stages/job"
 	"github.com/kvflow/kvflow/stages/plan"
-	"github.com/kvflow/kvflow/stages/plan/planstage"
 )
 
 // side is one worker's cache and topology view, built as a node builds it.
@@ -63,9 +62,13 @@ func planned(t testing.TB, topo plan.Topology) *job.Job {
 	t.Helper()
 	j := job.New(plan.Request{ID: "req-7", LocalBlockIDs: []int{1, 2}, RemoteBlockIDs: []int{3, 4}, RemoteHost: "127.0.0.1",
 		RemotePort: 30000, RemoteEngineID: "P", RemotePCPSize: 1, RemoteDCPSize: 1}, time.Now())
-	if err := planstage.Plan(topo, plan.Rank{}, j); err != nil {
+	// What the plan stage does (planstage.Plan, which imports this
+	// package).
+	p, err := plan.PlanRequest(topo, plan.Rank{}, j.Req)
+	if err != nil {
 		t.Fatal(err)
 	}
+	j.Plan, j.Metas = p, make([]job.Meta, len(p.Tasks))
 	return j
 }
 

@@ -9,10 +9,21 @@
 // failure at once (Cache.GetSince), so the requests queued for a dead or
 // silent peer share one fetch timeout instead of each holding a stage
 // worker for one while requests to the others wait behind them; a request
-// admitted after the failure tries again. The read stage
-// invalidates an entry when a read fails in a way that suggests the peer
-// restarted; the next job re-fetches it. A peer whose boot epoch changed is
-// also re-fetched.
+// admitted after the failure tries again. The read stage reaches the cache
+// only through this stage (Stage.Invalidate, Stage.Refetch: read.Peers):
+// it invalidates an entry when a read fails in a way that suggests the
+// peer restarted, so the next job re-fetches it, or re-fetches it at once
+// (one fetch for all the reads that failed together) and the fresh
+// metadata is checked for compatibility like any other. A peer whose boot
+// epoch changed is also re-fetched.
+//
+// Leases: with Stage.Leases set, a job whose handshake ended is leased at
+// exactly the ranks whose metadata advertised leases (lease.Keeper.Add;
+// the plan stage already leased it at admission where it could).
+//
+// New(Config, Deps) builds the stage: Config (timeout, attempts, backoff,
+// cache size; DefaultConfig, Validate, RegisterFlags) bounds every fetch
+// by FetchTimeout; DefaultPool is its worker pool.
 //
 // # Compatibility check
 //

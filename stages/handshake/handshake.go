@@ -369,10 +369,21 @@ func (c *Cache) Invalidate(k Key) bool {
 // Stage fetches (or finds cached) metadata for every task of a job, all
 // tasks concurrently, then, with Compat set, checks every task's peer
 // against the cache the read assumes: a peer that differs fails the job
-// (before any byte moves) and its metadata is dropped from the cache.
+// (before any byte moves) and its metadata is dropped from the cache. With
+// Leases set, a job whose metadata is known is then leased at exactly the
+// ranks that advertised leases. The read stage reaches the same cache
+// through Invalidate and Refetch (read.Peers).
 type Stage struct {
 	Cache  *Cache
 	Compat *Compat // nil: no check
+	Leases Leaser  // nil: no leases
+}
+
+// Leaser takes a job whose handshake ended (lease.Keeper.Add): from then
+// on its request is leased at exactly the ranks whose metadata advertised
+// leases.
+type Leaser interface {
+	Add(j *job.Job)
 }
 
 // Process fills j.Metas.
@@ -400,15 +411,41 @@ func (s Stage) Process(ctx context.Context, j *job.Job) error {
 			j.Metas[i] = j.Metas[i-1]
 		}
 	}
-	if s.Compat == nil {
-		return nil
-	}
-	for i := range j.Plan.Tasks {
-		if err := s.CheckTask(ctx, j, i); err != nil {
-			return err
+	if s.Compat != nil {
+		for i := range j.Plan.Tasks {
+			if err := s.CheckTask(ctx, j, i); err != nil {
+				return err
+			}
 		}
 	}
+	if s.Leases != nil {
+		s.Leases.Add(j)
+	}
 	return nil
+}
+
+// Invalidate drops the cached metadata of task i of j (a read of it
+// failed: the peer may have restarted, or its metadata is wrong).
+func (s Stage) Invalidate(j *job.Job, i int) { s.Cache.Invalidate(KeyOf(j, i)) }
+
+// Refetch is task i's metadata as it is now, for a read with used that
+// failed at failedAt because its peer may have restarted: one fetch for
+// all the reads that failed on the same metadata (Cache.Refetch). A
+// restarted peer's metadata is checked like any other before a byte of it
+// is read (CheckTask): it may have come back with another cache.
+func (s Stage) Refetch(ctx context.Context, j *job.Job, i int, used job.Meta, failedAt time.Time) (job.Meta, error) {
+	fresh, err := s.Cache.Refetch(ctx, KeyOf(j, i), used, failedAt)
+	if err != nil || s.Compat == nil {
+		return fresh, err
+	}
+	held := j.Metas[i]
+	j.Metas[i] = fresh
+	err = s.CheckTask(ctx, j, i)
+	j.Metas[i] = held
+	if err != nil {
+		return job.Meta{}, err
+	}
+	return fresh, nil
 }
 
 // CheckTask checks task i's peer (j.Metas[i]) with Compat (nil: no check)

@@ -23,4 +23,16 @@
 //
 // The package never opens sockets itself (it calls a Sender) and never
 // changes a job's outcome on the strength of an ACK.
+//
+// Shutdown: a request the decode worker's Close canceled before it reached
+// this stage has sent no DONE; End records the DONEs it owes (one per
+// task) and Close sends them, within ReleaseTimeout, so the prefill frees
+// those blocks at once rather than at its abort timeout
+// (kvflow_decode_shutdown_dones_total). One canceled inside this stage may
+// have sent some already and owes none (a DONE counted twice could free
+// blocks another decode rank still reads).
+//
+// New(Config, Deps) builds the stage; Config (timeout, attempts, backoff
+// of the DONE/RENEW client, JobTimeout bounding one job) has
+// DefaultConfig, Validate and RegisterFlags; DefaultPool is its pool.
 package notify

@@ -2,12 +2,18 @@ package notify
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
+
+	"golang.org/x/sync/errgroup"
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvflow/kvflow/pipeline"
 	"github.com/kvflow/kvflow/stages/job"
 )
 
@@ -27,53 +33,82 @@ type BatchSender interface {
 	SendDoneBatched(ctx context.Context, endpoint, reqID string) error
 }
 
-// Options configures the stage.
-type Options struct {
-	// Timeout bounds the DONE/ACK exchanges of one job. 5 s: the side
-	// channel client retries 3 × 1 s; the job's bytes are already in place.
-	Timeout    time.Duration
+// Deps is what the notify stage works with.
+type Deps struct {
+	Sender     Sender
 	Logger     *slog.Logger
 	Registerer prometheus.Registerer
 }
 
 // Stage is the notify stage.
 type Stage struct {
-	s    Sender
-	bs   BatchSender // s, when it batches; nil otherwise
-	opts Options
-	log  *slog.Logger
+	s   Sender
+	bs  BatchSender // s, when it batches; nil otherwise
+	cfg Config
+	log *slog.Logger
+	m   *metrics
 
-	sent, undelivered prometheus.Counter
-	batched           prometheus.Counter
+	mu sync.Mutex
+	// owed: requests canceled at shutdown before any DONE of theirs could
+	// have left (End); Close sends their DONEs.
+	owed []owed
 }
 
-// New makes the stage.
-func New(s Sender, opts Options) (*Stage, error) {
-	if opts.Timeout <= 0 {
-		opts.Timeout = 5 * time.Second
-	}
-	log := opts.Logger
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
-	st := &Stage{s: s, opts: opts, log: log.With("component", "stage/notify")}
-	st.bs, _ = s.(BatchSender)
+// metrics are the notify stage's.
+type metrics struct {
+	sent, undelivered prometheus.Counter
+	batched           prometheus.Counter
+	// shutdownDones keeps the name it had when the decode role sent
+	// these DONEs itself.
+	shutdownDones *prometheus.CounterVec
+}
+
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	m := &metrics{}
 	dones := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_notify_done_messages_total",
 		Help: "DONE_RECVINGs (one per request and remote task, plain or in a batch) by result (acked, undelivered).",
 	}, []string{"result"})
-	st.sent, st.undelivered = dones.WithLabelValues("acked"), dones.WithLabelValues("undelivered")
-	st.batched = prometheus.NewCounter(prometheus.CounterOpts{
+	m.sent, m.undelivered = dones.WithLabelValues("acked"), dones.WithLabelValues("undelivered")
+	m.batched = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kvflow_notify_batched_dones_total",
 		Help: "DONE_RECVINGs sent through batched done_batch_msg (peers advertising batch_done), whatever their result; messages and ids per message are in kvflow_sidechannel_done_batch_ids.",
 	})
-	if opts.Registerer != nil {
-		for _, c := range []prometheus.Collector{dones, st.batched} {
-			if err := opts.Registerer.Register(c); err != nil {
-				return nil, err
+	m.shutdownDones = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvflow_decode_shutdown_dones_total",
+		Help: "DONEs sent at shutdown for requests canceled before their notify stage (the prefill then frees their blocks at once), by result (acked, failed).",
+	}, []string{"result"})
+	for _, r := range []string{"acked", "failed"} {
+		m.shutdownDones.WithLabelValues(r)
+	}
+	if reg != nil {
+		for _, c := range []prometheus.Collector{dones, m.batched, m.shutdownDones} {
+			if err := reg.Register(c); err != nil {
+				return nil, fmt.Errorf("notify: register metrics: %w", err)
 			}
 		}
 	}
+	return m, nil
+}
+
+// New makes the stage. The zero Config is DefaultConfig.
+func New(cfg Config, d Deps) (*Stage, error) {
+	if d.Sender == nil {
+		return nil, errors.New("notify: nil sender")
+	}
+	if cfg == (Config{}) {
+		cfg = DefaultConfig()
+	}
+	log := d.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	m, err := newMetrics(d.Registerer)
+	if err != nil {
+		return nil, err
+	}
+	st := &Stage{s: d.Sender, cfg: cfg, log: log.With("component", "stage/notify"), m: m}
+	st.bs, _ = d.Sender.(BatchSender)
 	return st, nil
 }
 
@@ -96,7 +131,7 @@ func (s *Stage) notify(ctx context.Context, j *job.Job) {
 	}
 	// Not bound to the job's abort: an aborted job must still free the
 	// prefill side's blocks.
-	ctx, cancel := context.WithTimeout(ctx, s.opts.Timeout)
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.JobTimeout())
 	defer cancel()
 	var wg sync.WaitGroup
 	for i := range j.Plan.Tasks {
@@ -106,17 +141,89 @@ func (s *Stage) notify(ctx context.Context, j *job.Job) {
 		// those ranks get plain DONEs.
 		if s.bs != nil && i < len(j.Metas) && j.Metas[i].BatchDone {
 			send = s.bs.SendDoneBatched
-			s.batched.Inc()
+			s.m.batched.Inc()
 		}
 		wg.Go(func() {
 			if err := send(ctx, ep, j.Req.ID); err != nil {
-				s.undelivered.Inc()
+				s.m.undelivered.Inc()
 				j.DoneUndelivered.Add(1)
 				s.log.Warn("DONE not delivered", "request_id", j.Req.ID, "endpoint", ep, "task", i, "err", err)
 				return
 			}
-			s.sent.Inc()
+			s.m.sent.Inc()
 		})
 	}
 	wg.Wait()
+}
+
+// owed names the DONEs a request canceled at shutdown still owes.
+type owed struct {
+	id        string
+	endpoints []string
+}
+
+// End is the stage's word on a request that ended (the decode worker's
+// sink calls it for every request, in stage order, so the plan stage has
+// planned a request canceled before it was planned). A request canceled
+// (by the worker's Close, past its drain deadline) in a stage before
+// notify has sent no DONE, and its reads have stopped (a canceled batch
+// returns only once the engine no longer touches its memory), so its
+// DONEs are safe to send: they are owed, and Close sends them. One
+// canceled in notify itself may have delivered some already (a DONE
+// counted twice could free a block another decode rank still reads): it
+// owes none.
+func (s *Stage) End(r pipeline.Result[*job.Job]) {
+	j := r.Item
+	if r.Outcome != pipeline.Canceled || r.Stage == "notify" || j.Plan.Tasks == nil {
+		return
+	}
+	// One DONE per task, as notify sends: the prefill rank counts them
+	// (plan.PrefillExpectedDones counts tasks).
+	o := owed{id: j.Req.ID}
+	for i := range j.Plan.Tasks {
+		o.endpoints = append(o.endpoints, j.HandshakeEndpoint(i))
+	}
+	s.mu.Lock()
+	s.owed = append(s.owed, o)
+	s.mu.Unlock()
+}
+
+// ReleaseTimeout bounds the DONEs Close sends for requests canceled at
+// shutdown, beyond Close's own context (which has usually ended by then).
+var ReleaseTimeout = 2 * time.Second
+
+// Close sends the DONEs owed by requests canceled at shutdown (End), at
+// most 16 at a time, within ReleaseTimeout, so the prefill frees those
+// blocks now rather than at its abort timeout. A prefill that misses one
+// frees those blocks at its abort timeout (or lease expiry), as it would
+// have anyway. Call it once the pipeline is closed.
+func (s *Stage) Close(ctx context.Context) {
+	s.mu.Lock()
+	rel := s.owed
+	s.owed = nil
+	s.mu.Unlock()
+	if len(rel) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ReleaseTimeout)
+	defer cancel()
+	var g errgroup.Group
+	g.SetLimit(16)
+	var acked, failed atomic.Int64
+	for _, r := range rel {
+		for _, ep := range r.endpoints {
+			g.Go(func() error {
+				if err := s.s.SendDone(ctx, ep, r.id); err != nil {
+					failed.Add(1)
+				} else {
+					acked.Add(1)
+				}
+				return nil
+			})
+		}
+	}
+	g.Wait()
+	s.m.shutdownDones.WithLabelValues("acked").Add(float64(acked.Load()))
+	s.m.shutdownDones.WithLabelValues("failed").Add(float64(failed.Load()))
+	s.log.Info("sent DONEs for requests canceled at shutdown", "requests", len(rel), "acked", acked.Load(), "failed", failed.Load())
 }

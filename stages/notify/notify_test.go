@@ -104,7 +104,7 @@ func TestNegotiation(t *testing.T) {
 				s = rec
 			}
 			reg := prometheus.NewRegistry()
-			st, err := New(s, Options{Registerer: reg})
+			st, err := New(Config{}, Deps{Sender: s, Registerer: reg})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -125,10 +125,10 @@ func TestNegotiation(t *testing.T) {
 					nb++
 				}
 			}
-			if v := testutil.ToFloat64(st.batched); v != float64(nb) {
+			if v := testutil.ToFloat64(st.m.batched); v != float64(nb) {
 				t.Errorf("batched counter %v, want %d", v, nb)
 			}
-			if v := testutil.ToFloat64(st.sent); v != 3 {
+			if v := testutil.ToFloat64(st.m.sent); v != 3 {
 				t.Errorf("acked %v, want 3", v)
 			}
 		})
@@ -139,7 +139,7 @@ func TestNegotiation(t *testing.T) {
 // and after a failed job too.
 func TestUndelivered(t *testing.T) {
 	s := &batchSender{plainSender{fail: map[string]bool{"10.0.0.1:2": true}}}
-	st, err := New(s, Options{})
+	st, err := New(Config{}, Deps{Sender: s})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -147,8 +147,8 @@ func TestUndelivered(t *testing.T) {
 	if err := st.ProcessFailed(context.Background(), j, errors.New("read failed")); err != nil {
 		t.Fatal(err)
 	}
-	if j.DoneUndelivered.Load() != 1 || testutil.ToFloat64(st.undelivered) != 1 || testutil.ToFloat64(st.sent) != 1 {
-		t.Fatalf("undelivered %d / %v, acked %v", j.DoneUndelivered.Load(), testutil.ToFloat64(st.undelivered), testutil.ToFloat64(st.sent))
+	if j.DoneUndelivered.Load() != 1 || testutil.ToFloat64(st.m.undelivered) != 1 || testutil.ToFloat64(st.m.sent) != 1 {
+		t.Fatalf("undelivered %d / %v, acked %v", j.DoneUndelivered.Load(), testutil.ToFloat64(st.m.undelivered), testutil.ToFloat64(st.m.sent))
 	}
 	// A job that failed before planning notifies nobody.
 	if err := st.ProcessFailed(context.Background(), job.New(plan.Request{ID: "x"}, time.Now()), errors.New("bad")); err != nil {

@@ -374,3 +374,67 @@ func (r *Reads) AppendTo(dst []Op) []Op {
 	}
 	return dst
 }
+
+// GatherStride reports whether r, a head-split task's reads
+// (Task.HeadSplit > 1: one op per token row), has a strided form, and its
+// stride: every row of a run of blocks consecutive on both sides is row
+// bytes, pitch apart on the remote side (the remote row, HeadSplit times
+// longer) and back to back on the local side. ok is false for any other
+// reads, or when the cache parts' rows differ (one stride serves a batch).
+func (r *Reads) GatherStride() (row, pitch uint64, ok bool) {
+	if r.rows == 0 || r.parts == 0 {
+		return 0, 0, false
+	}
+	row, pitch = r.inner[0], r.remoteStride[0]
+	for q := 1; q < r.parts; q++ {
+		if r.inner[q] != row || r.remoteStride[q] != pitch {
+			return 0, 0, false
+		}
+	}
+	return row, pitch, true
+}
+
+// AppendGather appends the strided form of head-split reads r (see
+// GatherStride; nothing for other reads) to dst: per tensor, in tensor
+// order, one op per run of blocks consecutive on both sides, Len the
+// run's local bytes (blocks × block_size rows), Remote its first row's
+// slice. Row i of such an op is Tensor(k).Op(Run(j+i)) for the run's
+// first row op j: the same bytes, from the same places, to the same
+// places as the per-row ops, in GatherLen() ops instead of Len().
+func (r *Reads) AppendGather(dst []Op) []Op {
+	if _, _, ok := r.GatherStride(); !ok {
+		return dst
+	}
+	bs := uint64(r.rows)
+	for k := range r.local {
+		tr := r.Tensor(k)
+		blockL, blockR := bs*tr.LocalStride, bs*tr.RemoteStride
+		for s := 0; s < len(r.loc); {
+			e := s + 1
+			for e < len(r.loc) && r.loc[e]-r.loc[e-1] == 1 && r.rem[e]-r.rem[e-1] == 1 {
+				e++
+			}
+			dst = append(dst, Op{
+				Local:  tr.Local + uint64(r.loc[s])*blockL,
+				Remote: tr.Remote + uint64(r.rem[s])*blockR,
+				Len:    uint64(e-s) * bs * tr.Len,
+			})
+			s = e
+		}
+	}
+	return dst
+}
+
+// GatherLen is the number of ops AppendGather appends.
+func (r *Reads) GatherLen() int {
+	if _, _, ok := r.GatherStride(); !ok {
+		return 0
+	}
+	runs := 0
+	for i := range r.loc {
+		if i == 0 || r.loc[i]-r.loc[i-1] != 1 || r.rem[i]-r.rem[i-1] != 1 {
+			runs++
+		}
+	}
+	return runs * len(r.local)
+}

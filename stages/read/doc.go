@@ -3,20 +3,25 @@
 // seed-exact arithmetic) and runs them through a transfer engine, one batch
 // per task, the tasks of one job concurrently.
 //
+// The stage depends on one interface, Transfer: BatchRead of a Batch, and
+// Capabilities, read once in New (local strided rows, gathered remote
+// rows, a byte ledger, a failure classifier); a batch uses only the
+// options its transfer stated, so nothing is type-switched per call.
+// Engine adapts any hw/mooncake engine, resolving the engine's optional
+// interfaces once; OpsFunc adapts a function of an op list (fakes).
+//
 // The triples travel compact: per task the stage builds a plan.Reads (the
 // task's tensors times its block runs; validated, O(blocks), pooled), takes
-// the batch's bytes and op count from it, and hands it to the transfer. A
-// ReadsTransfer (internal/node's adapter of hw/mooncake) expands it once,
-// straight into its engine's own op list; the stage writes a []plan.Op
-// itself (Reads.AppendTo) only for a transfer that takes op lists
-// (Transfer, LedgerTransfer). A GQA request with
-// tp_num_need_pulls 4, 64 layers and 128 blocks is 65,536 ops (1.5 MiB),
-// so that list is written once, where the engine needs it, never twice.
+// the batch's bytes and op count from it, and hands it to the transfer in
+// a Batch. Engine expands it once, straight into its engine's own op list
+// (AppendEngineOps). A GQA request with tp_num_need_pulls 4, 64 layers and
+// 128 blocks is 65,536 ops (1.5 MiB), so that list is written once, where
+// the engine needs it, never twice.
 //
 // Fused stitch: with tp_num_need_pulls P > 1 a decode block is the P
 // prefill ranks' slices of every token, and the seed reads each slice
 // contiguously and then transposes the block. When the transfer can lay an
-// op's bytes out in strided rows (StridedTransfer: the TCP engine) and
+// op's bytes out in strided rows (Capabilities.LocalStride: the TCP engine) and
 // Options.BlockSize splits every block into P equal token slices, the
 // stage instead interleaves the reads (plan.Reads.Interleave: same remote
 // ranges and lengths, each op starting at its slot in the block's first
@@ -27,16 +32,18 @@
 //
 // Head slices (decode TP > prefill TP, kvflow ↔ kvflow only): a task with
 // plan.Task.HeadSplit > 1 needs one slice of every token row of the remote
-// blocks. The stage builds it as one op per row (Options.BlockSize rows
-// per block; plan.Reads), so only the needed bytes cross the wire and
-// land in place. Reading whole blocks into scratch memory and slicing
-// locally moves HeadSplit times the bytes but far fewer ops; on the TCP
-// engine over loopback that is faster (bench.BenchmarkHeadSlice, figures
-// in bench/RESULTS.md), while on RDMA, where an op costs a descriptor,
-// the row reads win; see RESULTS.md for why the row reads are kept. Row
-// reads are block_size times as many ops as block reads, so a long
-// head-split task is posted a few layers at a time (at most 64Ki ops per
-// batch; the same ops in the same order, the task still one unit).
+// blocks, so only the needed bytes cross the wire and land in place. With
+// a transfer that gathers (Capabilities.Gather: the TCP engine) the task
+// is one batch in its strided form (plan.Reads.AppendGather: one op per
+// tensor and run of blocks, rows HeadSplit times longer remotely); the TCP
+// engine sends it as kvflow's strided READ to a kvflow peer that
+// negotiated it (up to 4 MiB of rows per request, gathered by the target)
+// and row by row to any other. Otherwise it is one op per row
+// (Options.BlockSize rows per block), posted a few layers at a time (at
+// most 64Ki ops per batch; the same ops in the same order, the task still
+// one unit). bench.BenchmarkHeadSlice measures the strided READ, the row
+// reads and whole blocks sliced locally in one run; the strided READ is
+// the fastest (figures in bench/RESULTS.md), so it is the default.
 // A kvflow-only plan (plan.Plan.KvflowOnly) is refused with
 // ErrPeerNotKvflow, before any read, when the remote rank's metadata has
 // no kvflow boot epoch: a seed or Mooncake peer would not wait for the
@@ -50,7 +57,7 @@
 // side-channel port but gets a new transfer-engine port, new cache
 // addresses and a new boot epoch, while decode workers still cache the old
 // metadata. When a batch fails (not by the job's own cancellation or
-// timeout) and the Transfer can tell how (FailureClassifier), the stage
+// timeout) and the Transfer can tell how (Capabilities.Classify), the stage
 // re-fetches the rank's metadata through Options.Refetch (the handshake
 // cache: one fetch for all the reads that failed on the same metadata) and
 // reads the task once more with it if retryVerdict allows: the same
@@ -58,8 +65,7 @@
 // new process whose boot epoch, a boot time in unix nanoseconds as kvflow
 // sends it, is before the job's admission, with no op of the failed batch
 // landed (else the old process was serving during this job's read: the
-// job was there). Options.BeforeRetry (decode's stale-read guard) may
-// still refuse. Otherwise the job fails; when the rank restarted after the
+// job was there). The stale-read guard (below) may still refuse. Otherwise the job fails; when the rank restarted after the
 // job's admission, with ErrPeerRestarted (its blocks were lost with the old
 // process). Every read also refuses metadata whose boot epoch is after the
 // job's admission, so a job whose metadata was first fetched after its
@@ -69,7 +75,7 @@
 // request carries no epoch); a job prefilled by the old process and
 // admitted after the new one booted is read from the new one, which then
 // refuses (read grants) or serves whatever those block ids hold.
-// Without a FailureClassifier or Refetch, a failed read only invalidates
+// Without Capabilities.Classify or Refetch, a failed read only invalidates
 // the peer's cached metadata so the next job re-fetches it.
 //
 // Reads before the grant. A prefill with read grants serves a request's
@@ -81,12 +87,27 @@
 // whose blocks were freed (abort, forged DONE) fails that much later.
 //
 // Byte ledger: when the transfer also reports the bytes that landed per op
-// (ReadsLedgerTransfer or LedgerTransfer), the stage reconciles them with
+// (Capabilities.Ledger; plain batches), the stage reconciles them with
 // the manifest it posted; any op short of its length fails the job
 // (ErrShortfall, naming the first short op's addresses), even when the
-// batch said it succeeded. The TCP engine's batches are all-or-nothing, so
-// its adapter needs no ledger; engines that report transferred bytes per
-// task (Mooncake's C API) plug in here.
+// batch said it succeeded. The TCP engine's batches are all-or-nothing and
+// it has no ledger; the cgo engine reports Mooncake's transferred_bytes
+// per task (mooncake.LedgerReader), which Engine hands to the stage.
+//
+// Stale reads (stale.go). With a Guard the stage refuses a read that
+// would start past the prefill's abort timeout at a rank without a lease
+// renewed here (ErrStaleRead, kvflow_decode_stale_reads_refused_total):
+// the prefill may have force-freed and reused the blocks. A rank whose
+// lease this worker renews (stages/lease) is checked by its lease instead:
+// refused once no RENEW was acknowledged for the TTL less TTL/5
+// (ErrLeaseLost, kvflow_decode_lease_lost_reads_total), and checked again
+// when the read ends, so bytes read while a lease may have run out are
+// never reported done. A retried read is checked before it starts. The
+// metric names predate the guard's move here from the decode role.
+//
+// New(Config, Deps) builds the stage: Config (read.* keys: timeout,
+// per-peer limit, fused stitch, and the prefill's grants mode) with
+// DefaultConfig, Validate and RegisterFlags; DefaultPool is its pool.
 //
 // The package never touches sockets or memory itself; it calls a Transfer
 // (hw/mooncake in production). A job whose read fails is failed with the

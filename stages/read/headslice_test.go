@@ -9,13 +9,21 @@ import (
 	"github.com/kvflow/kvflow/stages/plan"
 )
 
-// recordTransfer keeps the ops of every batch.
-type recordTransfer struct{ ops [][]plan.Op }
+// recordTransfer keeps the ops of every batch (in the form asked for) and
+// whether it was asked to gather; gather states Capabilities.Gather.
+type recordTransfer struct {
+	ops      [][]plan.Op
+	gathered []bool
+	gather   bool
+}
 
-func (r *recordTransfer) BatchRead(_ context.Context, _ string, ops []plan.Op) error {
-	r.ops = append(r.ops, append([]plan.Op(nil), ops...))
+func (r *recordTransfer) BatchRead(_ context.Context, _ string, b *Batch) error {
+	r.ops = append(r.ops, b.AppendTo(nil))
+	r.gathered = append(r.gathered, b.Gather)
 	return nil
 }
+
+func (r *recordTransfer) Capabilities() Capabilities { return Capabilities{Gather: r.gather} }
 
 // A kvflow-only plan (decode TP > prefill TP) is refused, before any read,
 // by a peer whose metadata has no kvflow boot epoch (a seed or Mooncake
@@ -46,7 +54,7 @@ func TestHeadSliceReadAndSeedPeerRefused(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			rt := &recordTransfer{}
-			s, err := New(rt, Options{
+			s, err := build(rt, Options{
 				Layout:    plan.CacheLayout{BlockLen: []uint64{blockLen}, CachesPerLayer: 2},
 				Local:     plan.Caches{Base: []uint64{5 << 30, 6 << 30, 7 << 30, 8 << 30}, NumBlocks: 8},
 				BlockSize: blockSize,
@@ -130,7 +138,7 @@ func TestHeadSliceChunks(t *testing.T) {
 	}
 	// Through the stage: four batches, the same ops.
 	rt := &recordTransfer{}
-	st, err := New(rt, Options{Layout: plan.CacheLayout{BlockLen: layout.BlockLen, CachesPerLayer: 2}, Local: local, BlockSize: 128})
+	st, err := build(rt, Options{Layout: plan.CacheLayout{BlockLen: layout.BlockLen, CachesPerLayer: 2}, Local: local, BlockSize: 128})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -164,5 +172,56 @@ func TestHeadSliceChunks(t *testing.T) {
 	}
 	if n := len(headSliceChunks(pl.Tasks[0], maxHeadSliceOps)); n != 1 {
 		t.Errorf("small task split into %d", n)
+	}
+}
+
+// With a transfer that gathers (Capabilities.Gather), a head-split task
+// goes as its strided form, one batch: one op per tensor and run of
+// blocks, whose rows are the per-row ops; the stage counts the ops it
+// posted and the same bytes. A long task is not cut into layer chunks.
+func TestHeadSliceGather(t *testing.T) {
+	topo := plan.Topology{Prefill: plan.Parallel{TP: 1, PP: 1, DP: 1}, Decode: plan.Parallel{TP: 2, PP: 1, DP: 1},
+		Model: plan.Model{NumLayers: 64, NumKVHeads: 8}}
+	ids := []int{0, 1, 2, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17} // two runs
+	pl, err := plan.PlanRequest(topo, plan.Rank{TP: 1}, plan.Request{ID: "r", LocalBlockIDs: ids, RemoteBlockIDs: ids, RemotePort: 30000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	layout := plan.CacheLayout{BlockLen: []uint64{128 * 1024}, CachesPerLayer: 2, BlockSize: 128}
+	var local, remote plan.Caches
+	for k := range 128 {
+		local.Base = append(local.Base, uint64(k+1)<<32)
+		remote.Base = append(remote.Base, uint64(k+1)<<40)
+	}
+	rows, err := plan.Ops(layout, pl.Tasks[0], local, remote)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rt := &recordTransfer{gather: true}
+	st, err := build(rt, Options{Layout: plan.CacheLayout{BlockLen: layout.BlockLen, CachesPerLayer: 2}, Local: local, BlockSize: 128})
+	if err != nil {
+		t.Fatal(err)
+	}
+	j := job.New(plan.Request{ID: "r"}, testNow)
+	j.Plan = pl
+	j.Metas = []job.Meta{{EngineID: "P", TERPCPort: 17000, BaseAddrs: remote.Base, NumBlocks: 32, BootEpoch: 1}}
+	if err := st.Process(context.Background(), j); err != nil {
+		t.Fatal(err)
+	}
+	if len(rt.ops) != 1 || !rt.gathered[0] || len(rt.ops[0]) != 128*2 {
+		t.Fatalf("%d batches (gathered %v), first of %d ops; want 1 gathered batch of %d", len(rt.ops), rt.gathered, len(rt.ops[0]), 128*2)
+	}
+	const row, pitch = 1024, 2048
+	i := 0
+	for _, op := range rt.ops[0] {
+		for r := uint64(0); r < op.Len/row; r++ {
+			if got := (plan.Op{Local: op.Local + r*row, Remote: op.Remote + r*pitch, Len: row}); got != rows[i] {
+				t.Fatalf("row %d: %+v, want %+v", i, got, rows[i])
+			}
+			i++
+		}
+	}
+	if i != len(rows) || j.OpsRead.Load() != 256 || j.BytesRead.Load() != 64*2*16*128*1024 {
+		t.Fatalf("%d rows of %d; counted %d ops, %d bytes", i, len(rows), j.OpsRead.Load(), j.BytesRead.Load())
 	}
 }

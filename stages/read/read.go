@@ -14,55 +14,6 @@ import (
 	"github.com/kvflow/kvflow/stages/plan"
 )
 
-// Transfer runs one all-or-nothing batch of reads from session
-// "host:rpc_port" into local memory.
-type Transfer interface {
-	BatchRead(ctx context.Context, session string, ops []plan.Op) error
-}
-
-// LedgerTransfer is a Transfer that also reports, per op, the bytes that
-// landed in local memory (Mooncake's transferred_bytes; the TCP engine's
-// received byte counts). The read stage reconciles that ledger with the
-// manifest it posted and fails the job on any shortfall, even when the
-// batch itself reported success.
-type LedgerTransfer interface {
-	Transfer
-	// BatchReadLedger is BatchRead that sets landed[i] to the bytes of
-	// ops[i] that reached local memory; len(landed) == len(ops).
-	BatchReadLedger(ctx context.Context, session string, ops []plan.Op, landed []uint64) error
-}
-
-// ReadsTransfer is a Transfer that takes a task's reads in compact form
-// (plan.Reads) and expands them itself, once, straight into its engine's
-// own op list, so that no []plan.Op is built and then copied. The stage
-// prefers it to BatchRead. r, and the lists it aliases, are valid only
-// during the call: keep nothing of it.
-type ReadsTransfer interface {
-	Transfer
-	// BatchReads is BatchRead of r's ops (r.AppendTo(nil)).
-	BatchReads(ctx context.Context, session string, r *plan.Reads) error
-}
-
-// ReadsLedgerTransfer is LedgerTransfer for compact reads. The stage
-// prefers it to every other form.
-type ReadsLedgerTransfer interface {
-	ReadsTransfer
-	// BatchReadsLedger is BatchReadLedger of r's ops: landed[i], i <
-	// r.Len(), is set to the bytes of op i (r.At(i)) that landed.
-	BatchReadsLedger(ctx context.Context, session string, r *plan.Reads, landed []uint64) error
-}
-
-// StridedTransfer is a ReadsTransfer whose engine can lay each op's bytes
-// out in strided rows of local memory (mooncake.StridedReader). With it the
-// stage fuses the head transpose of P > 1 requests into the read (see
-// plan.Reads.Interleave) and the stitch stage has nothing left to do.
-type StridedTransfer interface {
-	ReadsTransfer
-	// BatchReadsStrided is BatchReads with every op's bytes landing in
-	// rows of row bytes, pitch bytes apart, from the op's Local.
-	BatchReadsStrided(ctx context.Context, session string, r *plan.Reads, row, pitch uint64) error
-}
-
 // ErrShortfall marks a batch whose ledger shows fewer bytes than posted.
 var ErrShortfall = errors.New("read: byte ledger shortfall")
 
@@ -97,7 +48,7 @@ type Options struct {
 	// slot to the last byte; 0 = none beyond the engine's I/O timeout.
 	Timeout    time.Duration
 	Invalidate Invalidator
-	// Refetch, with a Transfer that is a FailureClassifier, turns on the
+	// Refetch, with a Transfer that classifies failures, turns on the
 	// retry of a read that failed because its peer may have restarted:
 	// the task's metadata is re-fetched through it and, when retryVerdict
 	// allows, the task is read once more (see retry.go). Nil: a failed
@@ -113,8 +64,11 @@ type Options struct {
 	RefetchTimeout time.Duration
 	// BeforeRetry, if set, may refuse a retry (returning why) just before
 	// it starts, with j.Metas[task] already the re-fetched metadata: the
-	// request's deadline (decode's stale-read guard).
+	// request's deadline. The stage's own Guard checks after it.
 	BeforeRetry func(j *job.Job, task int) error
+	// Guard, if it checks anything, is the stale-read guard around every
+	// read and before every retry (stale.go).
+	Guard *Guard
 	// GrantWait: a batch the peer refused outright (Failure.Refused, no op
 	// landed) is read again, with backoff, until GrantWait after the job's
 	// admission. A prefill with read grants serves a request's blocks only
@@ -123,9 +77,9 @@ type Options struct {
 	// (tens of engine steps); negative: no wait. A request whose blocks
 	// were freed fails that much later.
 	GrantWait time.Duration
-	// BlockSize is the tokens per block (block_size). With a
-	// StridedTransfer and P > 1 the stage reads every block straight into
-	// its stitched layout and marks the job Stitched; 0, NoFuse, or a
+	// BlockSize is the tokens per block (block_size). With a transfer
+	// that has LocalStride and P > 1 the stage reads every block straight
+	// into its stitched layout and marks the job Stitched; 0, NoFuse, or a
 	// layout that does not split into P equal token slices read as the
 	// seed does and leave the transpose to the stitch stage.
 	BlockSize  int
@@ -135,23 +89,65 @@ type Options struct {
 
 // Stage is the read stage.
 type Stage struct {
-	t        Transfer
-	opts     Options
-	classify FailureClassifier // nil: the transfer cannot tell; no retry
+	t    Transfer
+	caps Capabilities // t's, read once in New
+	opts Options
+	m    *metrics
 
 	mu   sync.Mutex
 	sems map[string]chan struct{}
+}
 
+// metrics are the read stage's.
+type metrics struct {
 	bytes, ops, failures prometheus.Counter
 	shortfalls           prometheus.Counter
 	fused                prometheus.Counter
 	waiting              prometheus.Gauge
 	retries              *prometheus.CounterVec
 	grantWaits           prometheus.Counter
+	// The stale-read guard's (stale.go); their names predate the guard's
+	// move from the decode role into this stage.
+	staleRefused, leaseLost prometheus.Counter
 }
 
-// New makes the stage.
-func New(t Transfer, opts Options) (*Stage, error) {
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	m := &metrics{}
+	m.bytes = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_bytes_total", Help: "Bytes read from prefill ranks (successful batches)."})
+	m.ops = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_ops_total", Help: "Transfer ops posted (successful batches)."})
+	m.failures = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_batch_failures_total", Help: "Batches that failed."})
+	m.shortfalls = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_ledger_shortfalls_total", Help: "Batches that reported success but whose byte ledger showed ops not fully landed (the job fails)."})
+	m.fused = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_fused_stitch_jobs_total", Help: "Jobs whose blocks were read straight into their stitched layout (head transpose fused into the read; the stitch stage skips them)."})
+	m.waiting = prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvflow_read_session_waiting", Help: "Batches waiting for their session's concurrency limit."})
+	m.retries = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvflow_read_retries_total",
+		Help: "Failed reads after which the peer's metadata was re-fetched, by result: done (read again and landed), failed (read again and failed), refused (not read again: the peer restarted after the request, part of the batch had landed, the failure was not a lost connection, or the request's deadline had passed), refetch_failed."},
+		[]string{"result"})
+	for _, r := range []string{"done", "failed", "refused", "refetch_failed"} {
+		m.retries.WithLabelValues(r)
+	}
+	m.grantWaits = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_grant_waits_total",
+		Help: "Batches read again after the peer refused them before any byte landed, within read GrantWait of admission (the prefill's grant for the request may not have arrived yet)."})
+	m.staleRefused = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvflow_decode_stale_reads_refused_total",
+		Help: "Requests failed instead of read because their read would start past the prefill's abort timeout at a rank without a lease (blocks may have been freed).",
+	})
+	m.leaseLost = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvflow_decode_lease_lost_reads_total",
+		Help: "Requests failed instead of read, or after their read, because no RENEW of theirs at a leased prefill rank was acknowledged within the lease TTL less a margin (the prefill may have freed the blocks).",
+	})
+	if reg != nil {
+		for _, c := range []prometheus.Collector{m.bytes, m.ops, m.failures, m.shortfalls, m.fused, m.waiting, m.retries, m.grantWaits, m.staleRefused, m.leaseLost} {
+			if err := reg.Register(c); err != nil {
+				return nil, fmt.Errorf("read: register metrics: %w", err)
+			}
+		}
+	}
+	return m, nil
+}
+
+// build makes the stage from its full set of options (New builds
+// them from a Config and Deps; the tests set the rest).
+func build(t Transfer, opts Options) (*Stage, error) {
 	if t == nil {
 		return nil, errors.New("read: nil transfer")
 	}
@@ -174,29 +170,14 @@ func New(t Transfer, opts Options) (*Stage, error) {
 	if opts.GrantWait == 0 {
 		opts.GrantWait = time.Second
 	}
-	s := &Stage{t: t, opts: opts, sems: map[string]chan struct{}{}}
-	s.bytes = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_bytes_total", Help: "Bytes read from prefill ranks (successful batches)."})
-	s.ops = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_ops_total", Help: "Transfer ops posted (successful batches)."})
-	s.failures = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_batch_failures_total", Help: "Batches that failed."})
-	s.shortfalls = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_ledger_shortfalls_total", Help: "Batches that reported success but whose byte ledger showed ops not fully landed (the job fails)."})
-	s.fused = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_fused_stitch_jobs_total", Help: "Jobs whose blocks were read straight into their stitched layout (head transpose fused into the read; the stitch stage skips them)."})
-	s.waiting = prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvflow_read_session_waiting", Help: "Batches waiting for their session's concurrency limit."})
-	s.retries = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvflow_read_retries_total",
-		Help: "Failed reads after which the peer's metadata was re-fetched, by result: done (read again and landed), failed (read again and failed), refused (not read again: the peer restarted after the request, part of the batch had landed, the failure was not a lost connection, or the request's deadline had passed), refetch_failed."},
-		[]string{"result"})
-	for _, r := range []string{"done", "failed", "refused", "refetch_failed"} {
-		s.retries.WithLabelValues(r)
+	m, err := newMetrics(opts.Registerer)
+	if err != nil {
+		return nil, err
 	}
-	s.grantWaits = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_grant_waits_total",
-		Help: "Batches read again after the peer refused them before any byte landed, within read GrantWait of admission (the prefill's grant for the request may not have arrived yet)."})
-	s.classify, _ = t.(FailureClassifier)
-	if opts.Registerer != nil {
-		for _, c := range []prometheus.Collector{s.bytes, s.ops, s.failures, s.shortfalls, s.fused, s.waiting, s.retries, s.grantWaits} {
-			if err := opts.Registerer.Register(c); err != nil {
-				return nil, fmt.Errorf("read: register metrics: %w", err)
-			}
-		}
+	if !opts.Guard.on() {
+		opts.Guard = nil
 	}
+	s := &Stage{t: t, caps: t.Capabilities(), opts: opts, m: m, sems: map[string]chan struct{}{}}
 	return s, nil
 }
 
@@ -212,15 +193,31 @@ func (s *Stage) sem(session string) chan struct{} {
 }
 
 // Process reads every task of j; it fails on the first failed task and
-// cancels the others.
+// cancels the others. With a Guard it refuses a stale read before any
+// task starts, and fails one whose leases ran out while it read.
 func (s *Stage) Process(ctx context.Context, j *job.Job) error {
+	if s.opts.Guard != nil {
+		if err := s.checkStale(j, "started"); err != nil {
+			return err
+		}
+		if err := s.process(ctx, j); err != nil {
+			return err
+		}
+		// The bytes came from blocks the prefill held throughout only if
+		// the leases still hold.
+		return s.checkStale(j, "ended")
+	}
+	return s.process(ctx, j)
+}
+
+func (s *Stage) process(ctx context.Context, j *job.Job) error {
 	ctx, stop := j.Context(ctx)
 	defer stop()
 	// Fused or not is decided once per job: every task of it must land
 	// its slices the same way for the blocks to come out right.
 	j.Stitched = s.fuses(j.Plan)
 	if j.Stitched {
-		s.fused.Inc()
+		s.m.fused.Inc()
 	}
 	g, gctx := errgroup.WithContext(ctx)
 	for i := range j.Plan.Tasks {
@@ -235,7 +232,7 @@ func (s *Stage) fuses(pl plan.Plan) bool {
 	if s.opts.NoFuse || !pl.Stitch || pl.P < 2 {
 		return false
 	}
-	if _, ok := s.t.(StridedTransfer); !ok {
+	if !s.caps.LocalStride {
 		return false
 	}
 	return plan.CanInterleave(s.opts.Layout.BlockLen, s.opts.BlockSize, pl.P) == nil
@@ -254,11 +251,11 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 	if batchErr == nil || ctx.Err() != nil {
 		return err
 	}
-	if s.classify == nil {
+	if s.caps.Classify == nil {
 		s.invalidate(j, i)
 		return err
 	}
-	f := s.classify.ClassifyFailure(batchErr)
+	f := s.caps.Classify(batchErr)
 	for backoff := 2 * time.Millisecond; f.Refused && !f.Moved; backoff = min(2*backoff, 100*time.Millisecond) {
 		// Refused before any byte: the peer may not have its grant yet.
 		if time.Since(j.Submitted)+backoff > s.opts.GrantWait {
@@ -271,11 +268,11 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 			return err
 		case <-t.C:
 		}
-		s.grantWaits.Inc()
+		s.m.grantWaits.Inc()
 		if err, batchErr = s.attempt(ctx, j, i); batchErr == nil || ctx.Err() != nil {
 			return err
 		}
-		f = s.classify.ClassifyFailure(batchErr)
+		f = s.caps.Classify(batchErr)
 	}
 	if s.opts.Refetch == nil {
 		s.invalidate(j, i)
@@ -291,7 +288,7 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 func (s *Stage) recover(ctx context.Context, j *job.Job, i int, err error, f Failure) error {
 	if f.Moved { // the peer was there: no restart lost this read; not retried
 		s.invalidate(j, i)
-		s.retries.WithLabelValues("refused").Inc()
+		s.m.retries.WithLabelValues("refused").Inc()
 		return err
 	}
 	used := j.Metas[i]
@@ -299,7 +296,7 @@ func (s *Stage) recover(ctx context.Context, j *job.Job, i int, err error, f Fai
 	fresh, ferr := s.opts.Refetch(rctx, j, i, used, time.Now())
 	cancel()
 	if ferr != nil {
-		s.retries.WithLabelValues("refetch_failed").Inc()
+		s.m.retries.WithLabelValues("refetch_failed").Inc()
 		return fmt.Errorf("%w; re-fetching the peer's metadata: %w", err, ferr)
 	}
 	// The rank's metadata as it is now: what notify's DONE must follow too.
@@ -308,21 +305,24 @@ func (s *Stage) recover(ctx context.Context, j *job.Job, i int, err error, f Fai
 	if v == nil && s.opts.BeforeRetry != nil {
 		v = s.opts.BeforeRetry(j, i)
 	}
+	if v == nil && s.opts.Guard != nil {
+		v = s.checkTask(j, i)
+	}
 	if v != nil {
-		s.retries.WithLabelValues("refused").Inc()
+		s.m.retries.WithLabelValues("refused").Inc()
 		if errors.Is(v, ErrPeerRestarted) {
 			return fmt.Errorf("%w; %w", v, err)
 		}
 		return fmt.Errorf("%w; not read again: %w", err, v)
 	}
 	if err2, _ := s.attempt(ctx, j, i); err2 != nil {
-		s.retries.WithLabelValues("failed").Inc()
+		s.m.retries.WithLabelValues("failed").Inc()
 		if ctx.Err() == nil {
 			s.invalidate(j, i)
 		}
 		return fmt.Errorf("%w; retried once with the peer's re-fetched metadata (boot epoch %d → %d): %w", err, used.BootEpoch, fresh.BootEpoch, err2)
 	}
-	s.retries.WithLabelValues("done").Inc()
+	s.m.retries.WithLabelValues("done").Inc()
 	return nil
 }
 
@@ -367,18 +367,22 @@ func (s *Stage) attempt(ctx context.Context, j *job.Job, i int) (err, batchErr e
 		select {
 		case sem <- struct{}{}:
 		default:
-			s.waiting.Inc()
+			s.m.waiting.Inc()
 			select {
 			case sem <- struct{}{}:
-				s.waiting.Dec()
+				s.m.waiting.Dec()
 			case <-ctx.Done():
-				s.waiting.Dec()
+				s.m.waiting.Dec()
 				return fmt.Errorf("read task %d session %s: %w", i, session, context.Cause(ctx)), nil
 			}
 		}
 		defer func() { <-sem }()
 	}
-	if chunks := headSliceChunks(t, nops); len(chunks) > 1 {
+	// A head-split task's rows go as a few strided reads when the
+	// transfer can gather them (the TCP engine: one request per run of
+	// blocks and up to 4 MiB, answered contiguously); else one op each.
+	gather := t.HeadSplit > 1 && s.caps.Gather && rd.GatherLen() > 0
+	if chunks := headSliceChunks(t, nops); len(chunks) > 1 && !gather {
 		// A head-split task reads one op per token row: posted whole, a
 		// long request's op list would take tens of MiB. Read it a few
 		// layers at a time (the same ops, in order; the task still
@@ -388,19 +392,22 @@ func (s *Stage) attempt(ctx context.Context, j *job.Job, i int) (err, batchErr e
 			if err := rd.Build(s.opts.Layout, c, s.opts.Local, remote); err != nil {
 				return fmt.Errorf("read task %d (rank %d) layers [%d, %d): %w", i, t.RemoteRank, c.LayerStart, c.LayerEnd, err), nil
 			}
-			if err := s.batch(ctx, session, rd, false); err != nil {
-				s.failures.Inc()
+			if err := s.batch(ctx, session, j.Req.ID, rd, false, false); err != nil {
+				s.m.failures.Inc()
 				return fmt.Errorf("read task %d (rank %d) session %s, layers [%d, %d), %d ops: %w", i, t.RemoteRank, session, c.LayerStart, c.LayerEnd, rd.Len(), err), err
 			}
 		}
-	} else if err := s.batch(ctx, session, rd, j.Stitched); err != nil {
-		s.failures.Inc()
+	} else if err := s.batch(ctx, session, j.Req.ID, rd, j.Stitched, gather); err != nil {
+		s.m.failures.Inc()
 		return fmt.Errorf("read task %d (rank %d) session %s, %d ops: %w", i, t.RemoteRank, session, nops, err), err
+	}
+	if gather {
+		nops = rd.GatherLen() // the ops posted
 	}
 	j.BytesRead.Add(n)
 	j.OpsRead.Add(uint64(nops))
-	s.bytes.Add(float64(n))
-	s.ops.Add(float64(nops))
+	s.m.bytes.Add(float64(n))
+	s.m.ops.Add(float64(nops))
 	return nil, nil
 }
 
@@ -432,35 +439,28 @@ func headSliceChunks(t plan.Task, nops int) []plan.Task {
 	return out
 }
 
-// batch runs rd's ops, handing the compact form to a ReadsTransfer (which
-// expands it into its engine's op list) and expanding it here only for a
-// plain Transfer. With a ledger (ReadsLedgerTransfer or LedgerTransfer) it
-// reconciles what landed with the manifest (rd) and turns any shortfall
-// into an error naming the first short op.
-func (s *Stage) batch(ctx context.Context, session string, rd *plan.Reads, fused bool) error {
+// batch runs rd's ops as one batch of the transfer: interleaved into
+// strided local rows when fused, in their strided remote form when
+// gather, plainly otherwise. With a ledger (Capabilities.Ledger; plain
+// reads only) it reconciles what landed with the manifest (rd) and turns
+// any shortfall into an error naming the first short op.
+func (s *Stage) batch(ctx context.Context, session, req string, rd *plan.Reads, fused, gather bool) error {
+	b := Batch{Reads: rd, Gather: gather, Request: req}
 	if fused {
 		row, pitch, err := rd.Interleave(s.opts.BlockSize)
 		if err != nil { // fuses checked the layout: not reached
 			return err
 		}
-		return s.t.(StridedTransfer).BatchReadsStrided(ctx, session, rd, row, pitch)
+		b.Row, b.Pitch = row, pitch
+		return s.t.BatchRead(ctx, session, &b)
 	}
-	var landed []uint64
-	switch t := s.t.(type) {
-	case ReadsLedgerTransfer:
-		landed = make([]uint64, rd.Len())
-		if err := t.BatchReadsLedger(ctx, session, rd, landed); err != nil {
-			return err
-		}
-	case LedgerTransfer:
-		landed = make([]uint64, rd.Len())
-		if err := t.BatchReadLedger(ctx, session, rd.AppendTo(nil), landed); err != nil {
-			return err
-		}
-	case ReadsTransfer:
-		return t.BatchReads(ctx, session, rd)
-	default:
-		return s.t.BatchRead(ctx, session, rd.AppendTo(nil))
+	if gather || !s.caps.Ledger {
+		return s.t.BatchRead(ctx, session, &b)
+	}
+	landed := make([]uint64, rd.Len())
+	b.Landed = landed
+	if err := s.t.BatchRead(ctx, session, &b); err != nil {
+		return err
 	}
 	short, missing := 0, uint64(0)
 	first := -1
@@ -484,7 +484,7 @@ func (s *Stage) batch(ctx context.Context, session string, rd *plan.Reads, fused
 	if short == 0 {
 		return nil
 	}
-	s.shortfalls.Inc()
+	s.m.shortfalls.Inc()
 	op := rd.At(first)
 	return fmt.Errorf("%w: %d of %d ops incomplete, %d bytes missing; first: op %d local %#x remote %#x landed %d of %d bytes",
 		ErrShortfall, short, rd.Len(), missing, first, op.Local, op.Remote, landed[first], op.Len)

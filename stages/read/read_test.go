@@ -22,11 +22,13 @@ type fakeTransfer struct {
 	peak     atomic.Int32
 }
 
-func (f *fakeTransfer) BatchRead(ctx context.Context, session string, ops []plan.Op) error {
-	return f.BatchReadLedger(ctx, session, ops, make([]uint64, len(ops)))
-}
+func (f *fakeTransfer) Capabilities() Capabilities { return Capabilities{Ledger: true} }
 
-func (f *fakeTransfer) BatchReadLedger(ctx context.Context, session string, ops []plan.Op, landed []uint64) error {
+func (f *fakeTransfer) BatchRead(ctx context.Context, session string, b *Batch) error {
+	ops, landed := b.AppendTo(nil), b.Landed
+	if landed == nil {
+		landed = make([]uint64, len(ops))
+	}
 	n := f.inflight.Add(1)
 	defer f.inflight.Add(-1)
 	for {
@@ -62,7 +64,7 @@ func testJob(tasks int) *job.Job {
 
 func newStage(t *testing.T, f *fakeTransfer, inv Invalidator, small ...uint64) *Stage {
 	t.Helper()
-	s, err := New(f, Options{
+	s, err := build(f, Options{
 		Layout:     plan.CacheLayout{BlockLen: []uint64{4096}, CachesPerLayer: 2},
 		Local:      plan.Caches{Base: []uint64{5 << 30, 6 << 30, 7 << 30, 8 << 30}, NumBlocks: 8},
 		PerSession: 2, Invalidate: inv, SmallBatch: append(small, 0)[0],
@@ -126,12 +128,13 @@ func TestPerSessionLimit(t *testing.T) {
 	}
 }
 
-// kindTransfer is a transfer of one of the four kinds the stage accepts;
-// every kind records the ops it was given (expanded for the compact ones).
+// kindTransfer is a transfer with or without a ledger; it records the
+// ops it was given (expanded).
 type kindTransfer struct {
-	mu    sync.Mutex
-	ops   [][]plan.Op
-	short int // with a ledger: op index to report half landed; -1 none
+	mu     sync.Mutex
+	ops    [][]plan.Op
+	short  int // with a ledger: op index to report half landed; -1 none
+	ledger bool
 }
 
 func (k *kindTransfer) record(ops []plan.Op) {
@@ -140,43 +143,23 @@ func (k *kindTransfer) record(ops []plan.Op) {
 	k.ops = append(k.ops, ops)
 }
 
-func (k *kindTransfer) fill(ops []plan.Op, landed []uint64) {
+func (k *kindTransfer) Capabilities() Capabilities { return Capabilities{Ledger: k.ledger} }
+
+func (k *kindTransfer) BatchRead(_ context.Context, _ string, b *Batch) error {
+	ops := b.AppendTo(nil)
+	k.record(ops)
+	if (b.Landed != nil) != k.ledger {
+		return fmt.Errorf("ledger %v asked of a transfer with ledger %v", b.Landed != nil, k.ledger)
+	}
 	for i, op := range ops {
-		landed[i] = op.Len
+		if b.Landed == nil {
+			break
+		}
+		b.Landed[i] = op.Len
 		if i == k.short {
-			landed[i] /= 2
+			b.Landed[i] /= 2
 		}
 	}
-}
-
-func (k *kindTransfer) BatchRead(_ context.Context, _ string, ops []plan.Op) error {
-	k.record(slices.Clone(ops))
-	return nil
-}
-
-type plainKind struct{ *kindTransfer }
-
-type ledgerKind struct{ *kindTransfer }
-
-func (l ledgerKind) BatchReadLedger(_ context.Context, _ string, ops []plan.Op, landed []uint64) error {
-	l.record(slices.Clone(ops))
-	l.fill(ops, landed)
-	return nil
-}
-
-type readsKind struct{ *kindTransfer }
-
-func (r readsKind) BatchReads(_ context.Context, _ string, rd *plan.Reads) error {
-	r.record(rd.AppendTo(nil))
-	return nil
-}
-
-type readsLedgerKind struct{ readsKind }
-
-func (r readsLedgerKind) BatchReadsLedger(_ context.Context, _ string, rd *plan.Reads, landed []uint64) error {
-	ops := rd.AppendTo(nil)
-	r.record(ops)
-	r.fill(ops, landed)
 	return nil
 }
 
@@ -202,14 +185,15 @@ func TestTransferKinds(t *testing.T) {
 		mk     func(*kindTransfer) Transfer
 		ledger bool
 	}{
-		{"plain", func(k *kindTransfer) Transfer { return plainKind{k} }, false},
-		{"ledger", func(k *kindTransfer) Transfer { return ledgerKind{k} }, true},
-		{"reads", func(k *kindTransfer) Transfer { return readsKind{k} }, false},
-		{"reads+ledger", func(k *kindTransfer) Transfer { return readsLedgerKind{readsKind{k}} }, true},
+		{"plain", func(k *kindTransfer) Transfer { return k }, false},
+		{"ledger", func(k *kindTransfer) Transfer { k.ledger = true; return k }, true},
+		{"ops func", func(k *kindTransfer) Transfer {
+			return OpsFunc(func(_ context.Context, _ string, ops []plan.Op) error { k.record(ops); return nil })
+		}, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			k := &kindTransfer{short: -1}
-			s, err := New(c.mk(k), opts)
+			s, err := build(c.mk(k), opts)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -224,7 +208,7 @@ func TestTransferKinds(t *testing.T) {
 				t.Fatalf("counted %d bytes, %d ops; want %d, %d", j.BytesRead.Load(), j.OpsRead.Load(), wantBytes, len(want))
 			}
 			k = &kindTransfer{short: 2}
-			if s, err = New(c.mk(k), opts); err != nil {
+			if s, err = build(c.mk(k), opts); err != nil {
 				t.Fatal(err)
 			}
 			err = s.Process(context.Background(), testJob(1))
@@ -244,21 +228,25 @@ func TestTransferKinds(t *testing.T) {
 	}
 }
 
-// stridedKind also records the stride it was asked for.
+// stridedKind states LocalStride and records the stride it was asked for.
 type stridedKind struct {
-	readsKind
+	*kindTransfer
 	row, pitch uint64
 }
 
-func (s *stridedKind) BatchReadsStrided(_ context.Context, _ string, rd *plan.Reads, row, pitch uint64) error {
-	s.record(rd.AppendTo(nil))
-	s.mu.Lock()
-	s.row, s.pitch = row, pitch
-	s.mu.Unlock()
+func (s *stridedKind) Capabilities() Capabilities { return Capabilities{LocalStride: true} }
+
+func (s *stridedKind) BatchRead(_ context.Context, _ string, b *Batch) error {
+	s.record(b.AppendTo(nil))
+	if b.Row > 0 {
+		s.mu.Lock()
+		s.row, s.pitch = b.Row, b.Pitch
+		s.mu.Unlock()
+	}
 	return nil
 }
 
-// TestFusedStitch: with a StridedTransfer and a P > 1 plan the stage reads
+// TestFusedStitch: with a LocalStride transfer and a P > 1 plan the stage reads
 // interleaved (each slot's op starts at slot*row/P, rows of row/P bytes,
 // row apart) and marks the job Stitched; with NoFuse, P == 1, no block
 // size or a block that does not split, it reads as the seed does and
@@ -286,14 +274,14 @@ func TestFusedStitch(t *testing.T) {
 		{"P 1", testJob(2), func(*Options) {}, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			k := &stridedKind{readsKind: readsKind{&kindTransfer{short: -1}}}
+			k := &stridedKind{kindTransfer: &kindTransfer{short: -1}}
 			o := Options{
 				Layout:    plan.CacheLayout{BlockLen: []uint64{4096}, CachesPerLayer: 2},
 				Local:     plan.Caches{Base: []uint64{5 << 30, 6 << 30, 7 << 30, 8 << 30}, NumBlocks: 8},
 				BlockSize: bs,
 			}
 			c.opts(&o)
-			s, err := New(k, o)
+			s, err := build(k, o)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -11,7 +11,9 @@ import (
 	"github.com/kvflow/kvflow/stages/job"
 )
 
-// Failure is how a batch failed, as a FailureClassifier tells it.
+// Failure is how a batch failed, as a Transfer tells it
+// (Capabilities.Classify). Without a classifier the stage never retries a
+// read.
 type Failure struct {
 	// ConnLost: the peer's connection was refused or closed (its process
 	// may have gone away or restarted), not a refusal of the reads, a
@@ -23,12 +25,6 @@ type Failure struct {
 	// Refused: the peer answered and refused the reads (with read grants,
 	// blocks it does not serve: not yet sent, or already freed).
 	Refused bool
-}
-
-// FailureClassifier is an optional capability of a Transfer: it tells how
-// a failed batch failed. Without it the stage never retries a read.
-type FailureClassifier interface {
-	ClassifyFailure(err error) Failure
 }
 
 // Refetcher returns the current metadata of task's rank after a read with

@@ -70,7 +70,7 @@ type sessionTransfer struct {
 	moved  bool
 }
 
-func (s *sessionTransfer) BatchRead(_ context.Context, session string, _ []plan.Op) error {
+func (s *sessionTransfer) BatchRead(_ context.Context, session string, _ *Batch) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.reads[session]++
@@ -83,8 +83,10 @@ func (s *sessionTransfer) BatchRead(_ context.Context, session string, _ []plan.
 	return errLost
 }
 
-func (s *sessionTransfer) ClassifyFailure(err error) Failure {
-	return Failure{ConnLost: errors.Is(err, errLost), Moved: s.moved}
+func (s *sessionTransfer) Capabilities() Capabilities {
+	return Capabilities{Classify: func(err error) Failure {
+		return Failure{ConnLost: errors.Is(err, errLost), Moved: s.moved}
+	}}
 }
 
 // The stage's recovery: what is re-fetched, whether the task is read again
@@ -129,7 +131,7 @@ func TestRetryOnce(t *testing.T) {
 			if tc.noClassify {
 				tr = transferOnly{st}
 			}
-			s, err := New(tr, Options{
+			s, err := build(tr, Options{
 				Layout:     plan.CacheLayout{BlockLen: []uint64{4096}, CachesPerLayer: 2},
 				Local:      plan.Caches{Base: []uint64{5 << 30, 6 << 30, 7 << 30, 8 << 30}, NumBlocks: 8},
 				Invalidate: func(*job.Job, int) { invalidated = true },
@@ -166,7 +168,7 @@ func TestRetryOnce(t *testing.T) {
 			if want := map[bool]int{true: 0, false: 1}[tc.moved]; refetches != want {
 				t.Fatalf("%d refetches, want %d", refetches, want)
 			}
-			if n := testutil.ToFloat64(s.retries.WithLabelValues(tc.result)); n != 1 {
+			if n := testutil.ToFloat64(s.m.retries.WithLabelValues(tc.result)); n != 1 {
 				t.Fatalf("retries{result=%s} = %v, want 1", tc.result, n)
 			}
 			if tc.result == "done" && j.BytesRead.Load() == 0 {
@@ -207,11 +209,17 @@ func TestBootedAfterAdmissionNotRead(t *testing.T) {
 	}
 }
 
-// transferOnly hides a transfer's FailureClassifier.
+// transferOnly hides a transfer's failure classifier.
 type transferOnly struct{ t Transfer }
 
-func (t transferOnly) BatchRead(ctx context.Context, session string, ops []plan.Op) error {
-	return t.t.BatchRead(ctx, session, ops)
+func (t transferOnly) BatchRead(ctx context.Context, session string, b *Batch) error {
+	return t.t.BatchRead(ctx, session, b)
+}
+
+func (t transferOnly) Capabilities() Capabilities {
+	c := t.t.Capabilities()
+	c.Classify = nil
+	return c
 }
 
 // A job whose context ended (aborted, or past read.timeout) as its read
@@ -225,7 +233,7 @@ func TestNoRetryAfterCancel(t *testing.T) {
 		return errLost // the connection "failed" as the abort landed
 	})
 	var refetches int
-	s, err := New(tr, Options{
+	s, err := build(tr, Options{
 		Layout: plan.CacheLayout{BlockLen: []uint64{4096}, CachesPerLayer: 2},
 		Local:  plan.Caches{Base: []uint64{5 << 30, 6 << 30, 7 << 30, 8 << 30}, NumBlocks: 8},
 		Refetch: func(context.Context, *job.Job, int, job.Meta, time.Time) (job.Meta, error) {
@@ -252,8 +260,8 @@ func TestNoRetryAfterCancel(t *testing.T) {
 // abortedTransfer is a classifying transfer whose every batch is f.
 type abortedTransfer func(ctx context.Context) error
 
-func (f abortedTransfer) BatchRead(ctx context.Context, _ string, _ []plan.Op) error { return f(ctx) }
+func (f abortedTransfer) BatchRead(ctx context.Context, _ string, _ *Batch) error { return f(ctx) }
 
-func (abortedTransfer) ClassifyFailure(err error) Failure {
-	return Failure{ConnLost: errors.Is(err, errLost)}
+func (abortedTransfer) Capabilities() Capabilities {
+	return Capabilities{Classify: func(err error) Failure { return Failure{ConnLost: errors.Is(err, errLost)} }}
 }

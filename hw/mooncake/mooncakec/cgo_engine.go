@@ -80,7 +80,7 @@ type CgoEngine struct {
 	inflight sync.WaitGroup
 }
 
-var _ mooncake.Engine = (*CgoEngine)(nil)
+var _ mooncake.LedgerReader = (*CgoEngine)(nil)
 
 // ErrMooncake wraps a failing Mooncake C call.
 var ErrMooncake = errors.New("mooncake: transfer engine call failed")
@@ -172,12 +172,23 @@ func (e *CgoEngine) Unregister(addr uint64) error {
 
 func (e *CgoEngine) Slice(addr, length uint64) ([]byte, error) { return e.regions.Slice(addr, length) }
 
+// BatchReadLedger implements mooncake.LedgerReader: landed[i] is the
+// transferred_bytes Mooncake reports for op i once it completed (0 for an
+// op that did not).
+func (e *CgoEngine) BatchReadLedger(ctx context.Context, session string, ops []mooncake.Op, landed []uint64) error {
+	if len(landed) != len(ops) {
+		return fmt.Errorf("mooncakec: %d ledger entries for %d ops", len(landed), len(ops))
+	}
+	clear(landed)
+	return e.batch(ctx, session, ops, C.OPCODE_READ, landed)
+}
+
 func (e *CgoEngine) BatchRead(ctx context.Context, session string, ops []mooncake.Op) error {
-	return e.batch(ctx, session, ops, C.OPCODE_READ)
+	return e.batch(ctx, session, ops, C.OPCODE_READ, nil)
 }
 
 func (e *CgoEngine) BatchWrite(ctx context.Context, session string, ops []mooncake.Op) error {
-	return e.batch(ctx, session, ops, C.OPCODE_WRITE)
+	return e.batch(ctx, session, ops, C.OPCODE_WRITE, nil)
 }
 
 func (e *CgoEngine) segment(session string) (C.int32_t, error) {
@@ -196,7 +207,9 @@ func (e *CgoEngine) segment(session string) (C.int32_t, error) {
 	return id, nil
 }
 
-func (e *CgoEngine) batch(ctx context.Context, session string, ops []mooncake.Op, opcode C.int) (err error) {
+// batch runs ops; landed, when not nil, gets each completed op's
+// transferred_bytes.
+func (e *CgoEngine) batch(ctx context.Context, session string, ops []mooncake.Op, opcode C.int, landed []uint64) (err error) {
 	dir := mooncake.DirRead
 	if opcode == C.OPCODE_WRITE {
 		dir = mooncake.DirWrite
@@ -301,6 +314,9 @@ func (e *CgoEngine) batch(ctx context.Context, session string, ops []mooncake.Op
 				done[i] = true
 				left--
 				e.m.Completed(dir, ops[i].Length)
+				if landed != nil {
+					landed[i] = uint64(st.transferred_bytes)
+				}
 			case C.STATUS_FAILED, C.STATUS_CANCELED, C.STATUS_INVALID, C.STATUS_TIMEOUT:
 				errs[i], done[i] = fmt.Errorf("mooncake: %s: transfer status %d", session, int(st.status)), true
 				left--

@@ -36,7 +36,7 @@ type cluster struct {
 // here).
 type rank struct {
 	cfg config.Config
-	dev *npu.Host
+	dev npu.Device
 }
 
 // backend is how requests reach the workers.
@@ -108,9 +108,14 @@ func (c *cluster) prepare() {
 	}
 	for _, d := range c.decode {
 		wg.Go(func() {
-			data := d.dev.Data()
-			for i := 0; i < len(data); i += 4096 {
-				data[i] = 0
+			l := d.dev.Layout()
+			for layer := range l.Shape().NumLayers {
+				for part := range l.NumParts() {
+					data := d.dev.Bytes(layer, part)
+					for i := 0; i < len(data); i += 4096 {
+						data[i] = 0
+					}
+				}
 			}
 		})
 	}

@@ -1,4 +1,4 @@
-package decode
+package lease
 
 import (
 	"context"
@@ -12,7 +12,6 @@ import (
 
 	"github.com/kvflow/kvflow/stages/handshake"
 	"github.com/kvflow/kvflow/stages/job"
-	"github.com/kvflow/kvflow/stages/plan/planstage"
 )
 
 // Renewer sends kvflow's RENEW for reqIDs to the side channel at endpoint
@@ -31,7 +30,7 @@ const renewCoalesce = 5 * time.Millisecond
 // leases would not cover one side-channel round trip with its retry).
 const minRenewTimeout = 100 * time.Millisecond
 
-// renewer renews the leases of the jobs whose remote ranks advertised
+// Keeper renews the leases of the jobs whose remote ranks advertised
 // leases (job.Meta.LeaseTTL > 0), from their admission (metadata already
 // cached, or fetched then: lease, pend, resolve) or at the latest the end
 // of their handshake (add) until they end (remove):
@@ -41,7 +40,7 @@ const minRenewTimeout = 100 * time.Millisecond
 // on its own short-lived goroutine, at most one per endpoint, so a dead
 // peer's timeouts never delay the renewals of others. close stops the
 // loop and waits for every call.
-type renewer struct {
+type Keeper struct {
 	r   Renewer
 	log *slog.Logger
 
@@ -128,34 +127,44 @@ func (h *hold) renewed(ttl time.Duration, sent, acked time.Time) {
 	}
 }
 
-// leaseHold is the guard's view of request id's lease at endpoint.
-type leaseHold struct {
-	hold
-	ttl time.Duration
+// Hold is what the stale-read guard (stages/read) is told of one
+// request's lease at one endpoint: when it was leased there, when the last
+// acknowledged RENEW carrying it was sent (zero: none yet), whether an ACK
+// came back too late (Lapsed: for good), and the endpoint's TTL.
+type Hold struct {
+	Since  time.Time
+	Acked  time.Time
+	Lapsed bool
+	TTL    time.Duration
 }
 
-// leaseView is what the stale-read guard asks (the renewer).
-type leaseView interface {
-	// leaseOf reports request id's lease at endpoint; false when this
-	// worker does not renew it there.
-	leaseOf(id, endpoint string) (leaseHold, bool)
+// Until is the end of what h proves: its last acknowledged RENEW's send
+// time (before any, its lease start) plus the TTL less Margin.
+func (h Hold) Until() time.Time {
+	return hold{since: h.Since, acked: h.Acked}.until(h.TTL)
 }
 
-func (rn *renewer) leaseOf(id, endpoint string) (leaseHold, bool) {
+// Margin is how much sooner than the prefill can free a request the guard
+// stops trusting its lease (leaseMargin).
+func Margin(ttl time.Duration) time.Duration { return leaseMargin(ttl) }
+
+// LeaseOf reports request id's lease at endpoint; false when this worker
+// does not renew it there (the stale-read guard's view).
+func (rn *Keeper) LeaseOf(id, endpoint string) (Hold, bool) {
 	rn.mu.Lock()
 	defer rn.mu.Unlock()
 	ep := rn.eps[endpoint]
 	if ep == nil {
-		return leaseHold{}, false
+		return Hold{}, false
 	}
 	h := ep.ids[id]
 	if h == nil {
-		return leaseHold{}, false
+		return Hold{}, false
 	}
-	return leaseHold{*h, ep.ttl}, true
+	return Hold{Since: h.since, Acked: h.acked, Lapsed: h.lapsed, TTL: ep.ttl}, true
 }
 
-func newRenewer(r Renewer, log *slog.Logger, reg prometheus.Registerer) (*renewer, error) {
+func New(r Renewer, log *slog.Logger, reg prometheus.Registerer) (*Keeper, error) {
 	msgs := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_decode_lease_renewals_total",
 		Help: "RENEW calls (lease renewals, one per prefill endpoint and period) by result (acked, failed).",
@@ -164,14 +173,14 @@ func newRenewer(r Renewer, log *slog.Logger, reg prometheus.Registerer) (*renewe
 		Name: "kvflow_decode_lease_renewed_requests_total",
 		Help: "Request ids carried by acknowledged RENEW calls.",
 	})
-	rn := &renewer{r: r, log: log.With("component", "lease"), kick: make(chan struct{}, 1), done: make(chan struct{}),
+	rn := &Keeper{r: r, log: log.With("component", "lease"), kick: make(chan struct{}, 1), done: make(chan struct{}),
 		eps: map[string]*leaseEP{}, jobs: map[string][]string{},
 		pending: map[handshake.Key]map[string]struct{}{}, pendingOf: map[string][]handshake.Key{},
 		sent: msgs.WithLabelValues("acked"), failed: msgs.WithLabelValues("failed"), renewedIDs: ids}
 	leased := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "kvflow_decode_leased_requests",
 		Help: "Requests whose prefill holds this worker renews.",
-	}, func() float64 { return float64(rn.len()) })
+	}, func() float64 { return float64(rn.Len()) })
 	for _, c := range []prometheus.Collector{msgs, ids, leased} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
@@ -182,31 +191,31 @@ func newRenewer(r Renewer, log *slog.Logger, reg prometheus.Registerer) (*renewe
 	return rn, nil
 }
 
-func (rn *renewer) len() int {
+func (rn *Keeper) Len() int {
 	rn.mu.Lock()
 	defer rn.mu.Unlock()
 	return len(rn.jobs)
 }
 
-// leaseAt is one endpoint ("host:port" of a side channel) a request is
-// leased at, with the TTL that endpoint's metadata advertised.
-type leaseAt struct {
-	endpoint string
-	ttl      time.Duration
+// At is one endpoint ("host:port" of a side channel) a request is leased
+// at, with the TTL that endpoint's metadata advertised.
+type At struct {
+	Endpoint string
+	TTL      time.Duration
 }
 
 // leaseAts are the endpoints of j's tasks whose metadata (j.Metas, set by
 // the handshake) advertised leases, each once.
-func leaseAts(j *job.Job) []leaseAt {
-	var out []leaseAt
+func leaseAts(j *job.Job) []At {
+	var out []At
 	for i := range j.Plan.Tasks {
 		ttl := j.Metas[i].LeaseTTL
 		if ttl <= 0 {
 			continue
 		}
 		ep := j.HandshakeEndpoint(i)
-		if !slices.ContainsFunc(out, func(a leaseAt) bool { return a.endpoint == ep }) {
-			out = append(out, leaseAt{ep, ttl})
+		if !slices.ContainsFunc(out, func(a At) bool { return a.Endpoint == ep }) {
+			out = append(out, At{ep, ttl})
 		}
 	}
 	return out
@@ -218,7 +227,7 @@ func leaseAts(j *job.Job) []leaseAt {
 // request was admitted before their metadata was known), and any whose
 // fresh metadata no longer advertises leases are dropped. Fetches its
 // admission started no longer matter to it. A no-op after close.
-func (rn *renewer) add(j *job.Job) {
+func (rn *Keeper) Add(j *job.Job) {
 	ats := leaseAts(j)
 	now := time.Now()
 	rn.mu.Lock()
@@ -229,12 +238,12 @@ func (rn *renewer) add(j *job.Job) {
 	id := j.Req.ID
 	rn.unpendLocked(id)
 	for _, key := range rn.jobs[id] {
-		if !slices.ContainsFunc(ats, func(a leaseAt) bool { return a.endpoint == key }) {
+		if !slices.ContainsFunc(ats, func(a At) bool { return a.Endpoint == key }) {
 			rn.dropLocked(id, key)
 		}
 	}
 	rn.jobs[id] = slices.DeleteFunc(rn.jobs[id], func(key string) bool {
-		return !slices.ContainsFunc(ats, func(a leaseAt) bool { return a.endpoint == key })
+		return !slices.ContainsFunc(ats, func(a At) bool { return a.Endpoint == key })
 	})
 	rn.leaseLocked(id, ats, now)
 	if len(rn.jobs[id]) == 0 {
@@ -244,7 +253,7 @@ func (rn *renewer) add(j *job.Job) {
 
 // lease leases request id at ats on top of what it already has (at its
 // admission, from cached metadata). A no-op after close.
-func (rn *renewer) lease(id string, ats []leaseAt) {
+func (rn *Keeper) Lease(id string, ats []At) {
 	now := time.Now()
 	rn.mu.Lock()
 	defer rn.mu.Unlock()
@@ -257,23 +266,23 @@ func (rn *renewer) lease(id string, ats []leaseAt) {
 // leaseLocked adds id at every endpoint of ats it is not leased at yet;
 // the first RENEW of each goes out within renewCoalesce. Called with
 // rn.mu held.
-func (rn *renewer) leaseLocked(id string, ats []leaseAt, now time.Time) {
+func (rn *Keeper) leaseLocked(id string, ats []At, now time.Time) {
 	added := false
 	for _, a := range ats {
-		if a.ttl <= 0 || slices.Contains(rn.jobs[id], a.endpoint) {
+		if a.TTL <= 0 || slices.Contains(rn.jobs[id], a.Endpoint) {
 			continue
 		}
-		ep := rn.eps[a.endpoint]
+		ep := rn.eps[a.Endpoint]
 		if ep == nil {
-			ep = &leaseEP{ttl: a.ttl, ids: map[string]*hold{}, due: now.Add(renewCoalesce)}
-			rn.eps[a.endpoint] = ep
+			ep = &leaseEP{ttl: a.TTL, ids: map[string]*hold{}, due: now.Add(renewCoalesce)}
+			rn.eps[a.Endpoint] = ep
 		}
-		ep.ttl = min(ep.ttl, a.ttl)
+		ep.ttl = min(ep.ttl, a.TTL)
 		ep.ids[id] = &hold{since: now}
 		if soon := now.Add(renewCoalesce); ep.due.After(soon) {
 			ep.due = soon
 		}
-		rn.jobs[id] = append(rn.jobs[id], a.endpoint)
+		rn.jobs[id] = append(rn.jobs[id], a.Endpoint)
 		added = true
 	}
 	if !added {
@@ -287,7 +296,7 @@ func (rn *renewer) leaseLocked(id string, ats []leaseAt, now time.Time) {
 
 // dropLocked takes id out of endpoint key's renewals. Called with rn.mu
 // held; the caller updates rn.jobs.
-func (rn *renewer) dropLocked(id, key string) {
+func (rn *Keeper) dropLocked(id, key string) {
 	if ep := rn.eps[key]; ep != nil {
 		delete(ep.ids, id)
 		if len(ep.ids) == 0 && !ep.busy {
@@ -300,7 +309,7 @@ func (rn *renewer) dropLocked(id, key string) {
 // cached, is to be leased at k once it is known (resolve). It reports
 // whether the caller must start that fetch (none is in flight for k).
 // False after close.
-func (rn *renewer) pend(id string, k handshake.Key) (fetch bool) {
+func (rn *Keeper) Pend(id string, k handshake.Key) (fetch bool) {
 	rn.mu.Lock()
 	defer rn.mu.Unlock()
 	if rn.closed {
@@ -322,7 +331,7 @@ func (rn *renewer) pend(id string, k handshake.Key) (fetch bool) {
 // (ok) advertising leases, every request still pending on k is leased at
 // k's endpoint. Requests that ended meanwhile are not pending any more
 // (remove), nor are those whose handshake already decided (add).
-func (rn *renewer) resolve(k handshake.Key, m job.Meta, ok bool) {
+func (rn *Keeper) Resolve(k handshake.Key, m job.Meta, ok bool) {
 	now := time.Now()
 	rn.mu.Lock()
 	defer rn.mu.Unlock()
@@ -334,14 +343,14 @@ func (rn *renewer) resolve(k handshake.Key, m job.Meta, ok bool) {
 			delete(rn.pendingOf, id)
 		}
 		if ok && !rn.closed {
-			rn.leaseLocked(id, []leaseAt{{k.Endpoint, m.LeaseTTL}}, now)
+			rn.leaseLocked(id, []At{{k.Endpoint, m.LeaseTTL}}, now)
 		}
 	}
 }
 
 // unpendLocked forgets the fetches id waits for (the fetches go on for
 // the others). Called with rn.mu held.
-func (rn *renewer) unpendLocked(id string) {
+func (rn *Keeper) unpendLocked(id string) {
 	for _, k := range rn.pendingOf[id] {
 		delete(rn.pending[k], id)
 	}
@@ -350,7 +359,7 @@ func (rn *renewer) unpendLocked(id string) {
 
 // remove ends the leases of request id (it ended: DONEs sent or failed,
 // or it was never submitted) and forgets any fetch it waited for.
-func (rn *renewer) remove(id string) {
+func (rn *Keeper) Remove(id string) {
 	rn.mu.Lock()
 	defer rn.mu.Unlock()
 	rn.unpendLocked(id)
@@ -362,7 +371,7 @@ func (rn *renewer) remove(id string) {
 
 // close stops renewing (the prefill side then force-frees what this worker
 // still held once its leases run out) and waits for the calls in flight.
-func (rn *renewer) close() {
+func (rn *Keeper) Close() {
 	rn.once.Do(func() {
 		rn.mu.Lock()
 		rn.closed = true
@@ -373,7 +382,7 @@ func (rn *renewer) close() {
 	})
 }
 
-func (rn *renewer) loop() {
+func (rn *Keeper) loop() {
 	defer close(rn.done)
 	t := time.NewTimer(time.Hour)
 	defer t.Stop()
@@ -395,7 +404,7 @@ func (rn *renewer) loop() {
 
 // fire starts a RENEW for every idle endpoint that is due at now and
 // returns the earliest due time of the idle ones left (zero: none).
-func (rn *renewer) fire(now time.Time) time.Time {
+func (rn *Keeper) fire(now time.Time) time.Time {
 	rn.mu.Lock()
 	defer rn.mu.Unlock()
 	var next time.Time
@@ -429,7 +438,7 @@ func (rn *renewer) fire(now time.Time) time.Time {
 // send makes one RENEW call of ids at key, started at sent (fire's
 // clock, no later than the call leaves), and records an ACK in the holds
 // of the ids still leased there.
-func (rn *renewer) send(key string, ep *leaseEP, ttl time.Duration, ids []string, sent time.Time) {
+func (rn *Keeper) send(key string, ep *leaseEP, ttl time.Duration, ids []string, sent time.Time) {
 	defer rn.calls.Done()
 	ctx, cancel := context.WithTimeout(rn.ctx, max(ttl/3, minRenewTimeout))
 	err := rn.r.Renew(ctx, key, ids)
@@ -463,74 +472,26 @@ func (rn *renewer) send(key string, ep *leaseEP, ttl time.Duration, ids []string
 	}
 }
 
-// leaseAtAdmission leases j's request as the worker admits it, so that a
-// request waiting in a queue (a stalled handshake stage, a full read
-// stage) is held by its leases as much as one being read: at once at
-// every endpoint of its plan whose cached metadata advertises leases,
-// and at each endpoint not cached as soon as its metadata is fetched — a
-// fetch started now, one per endpoint at a time, that the handshake
-// stage's shares through the cache. The handshake stage then sets the
-// request's leases from its own metadata (leaseStage), which stays the
-// path for what admission could not lease. A request the planner rejects
-// is left to the plan stage, which fails it.
-func (w *Worker) leaseAtAdmission(j *job.Job) {
-	// The plan stage keeps this plan.
-	if err := planstage.Plan(w.opts.Topology, w.opts.Self, j); err != nil {
-		return
-	}
-	var ats []leaseAt
-	var seen []string
-	for i := range j.Plan.Tasks {
-		ep := j.HandshakeEndpoint(i)
-		if slices.Contains(seen, ep) {
-			continue
-		}
-		seen = append(seen, ep)
-		k := handshake.Key{EngineID: j.Plan.RemoteEngineID, Endpoint: ep}
-		if m, ok := w.hs.Cached(k); ok {
-			if m.LeaseTTL > 0 {
-				ats = append(ats, leaseAt{ep, m.LeaseTTL})
-			}
-			continue
-		}
-		if w.rn.pend(j.Req.ID, k) {
-			w.prefetch(k)
+// Idle reports whether no RENEW is in flight. A call records its ids
+// before its endpoint turns idle, and any later call takes its ids after
+// the check, so once it holds, no later RENEW carries a request that had
+// already ended (Remove).
+func (rn *Keeper) Idle() bool {
+	rn.mu.Lock()
+	defer rn.mu.Unlock()
+	for _, ep := range rn.eps {
+		if ep.busy {
+			return false
 		}
 	}
-	w.rn.lease(j.Req.ID, ats)
+	return true
 }
 
-// prefetch fetches k's metadata into the handshake cache on its own
-// goroutine and resolves the leases pending on it. After Close it
-// resolves at once, with nothing.
-func (w *Worker) prefetch(k handshake.Key) {
-	w.mu.Lock()
-	if w.closing {
-		w.mu.Unlock()
-		w.rn.resolve(k, job.Meta{}, false)
-		return
-	}
-	w.bg.Add(1)
-	w.mu.Unlock()
-	go func() {
-		defer w.bg.Done()
-		m, err := w.hs.Get(w.bgCtx, k)
-		w.rn.resolve(k, m, err == nil)
-	}()
-}
-
-// leaseStage is the handshake stage plus lease registration: once every
-// task's metadata is known, the job's request is leased at exactly the
-// ranks that advertised leases (renewer.add).
-type leaseStage struct {
-	handshake.Stage
-	rn *renewer
-}
-
-func (s leaseStage) Process(ctx context.Context, j *job.Job) error {
-	if err := s.Stage.Process(ctx, j); err != nil {
-		return err
-	}
-	s.rn.add(j)
-	return nil
+// Tracked counts what the keeper holds: requests leased, fetches pending
+// (endpoints whose metadata admission is fetching) and requests waiting
+// for one. All three are zero once every request has ended.
+func (rn *Keeper) Tracked() (leased, pending, waiting int) {
+	rn.mu.Lock()
+	defer rn.mu.Unlock()
+	return len(rn.jobs), len(rn.pending), len(rn.pendingOf)
 }

@@ -1,0 +1,72 @@
+package node
+
+import (
+	"fmt"
+	"log/slog"
+
+	"github.com/kvflow/kvflow/hw/mooncake"
+	"github.com/kvflow/kvflow/hw/npu"
+	"github.com/kvflow/kvflow/internal/config"
+)
+
+// The backends a worker is built on, chosen by config: its KV-cache memory
+// (an npu.Device) and its transfer engine (a mooncake.Engine). The rest of
+// the node holds only those interfaces; an engine's optional capabilities
+// (read grants, data-plane authentication, peer buffers, strided reads)
+// are resolved once, where they are wired (Start, read.Engine). A new
+// backend is a case here.
+
+// openDevice opens the KV-cache memory cfg.Cache.Mode names.
+func openDevice(cfg config.Config, layout npu.Layout, shape npu.Shape, log *slog.Logger) (npu.Device, error) {
+	hopts := npu.HostOptions{NoHugePages: cfg.Cache.NoHugePages, RemoveOnClose: cfg.Cache.RemoveOnClose, NoLock: cfg.Cache.NoLock}
+	var h *npu.Host
+	var err error
+	switch cfg.Cache.Mode {
+	case config.CacheShm:
+		h, err = npu.CreateShm(cfg.CachePath(), layout, hopts)
+	case config.CacheShmAttach:
+		hopts.Expect = &shape
+		h, err = npu.OpenShm(cfg.CachePath(), hopts)
+	default:
+		h, err = npu.NewHost(layout, hopts)
+	}
+	if err != nil {
+		return nil, err
+	}
+	if how := h.Reclaimed(); how != "" {
+		log.Warn("kv cache file left by a dead worker taken over", "path", h.Path(), "how", how)
+	}
+	if locked, lerr := h.Locked(); !locked && lerr != nil {
+		log.Warn("kv cache memory not locked: transfers may fault pages in, and reclaim may take them", "err", lerr)
+	}
+	return h, nil
+}
+
+// openEngine starts the transfer engine cfg.Node.TEBackend names.
+func openEngine(cfg config.Config, deps Deps, log *slog.Logger) (mooncake.Engine, error) {
+	switch cfg.Node.TEBackend {
+	case "", config.BackendTCP, config.BackendShm: // shm: TCP for every peer whose same-host claim does not hold
+	default:
+		// Validate rejects it too; the node runs only the tcp engine.
+		return nil, fmt.Errorf("node.te_backend %q: %w", cfg.Node.TEBackend, config.ErrBackendNotWired)
+	}
+	tc := mooncake.DefaultTCPConfig()
+	tc.Host = cfg.TEHost()
+	tc.RPCPort = cfg.Node.TEPort
+	lim := cfg.Node.Limits
+	tc.FirstByteTimeout, tc.IdleTimeout = lim.TEFirstByteTimeout.D(), lim.TEIdleTimeout.D()
+	tc.MaxConns, tc.MaxConnsPerPeer, tc.FDReserve = lim.TEMaxConns, lim.TEMaxConnsPerPeer, lim.FDReserve
+	// A decode worker's cache is read by no one (kvflow and the seed only
+	// pull from prefill): it serves no read at all (grants on, none ever
+	// given), so a peer that reaches its data port cannot read it.
+	tc.ReadGrants = (cfg.Read.Grants != config.GrantsOff && cfg.Role() == config.Prefill) || cfg.Role() == config.Decode
+	// With auth.mode curve both ports serve only peers holding a
+	// credential this worker's side channel issued (a decode worker
+	// issues none: no one may handshake with it or read it).
+	tc.RequireAuth = cfg.Auth.DataPlaneAuth()
+	e, err := mooncake.NewTCPEngine(tc, deps.Registerer, log)
+	if err != nil {
+		return nil, err
+	}
+	return e, nil
+}
