@@ -281,9 +281,15 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 		return fmt.Errorf("node: prefill worker: %w", err)
 	}
 	n.Prefill = w
+	// The side-channel port is bounded like the transfer engine's: without
+	// limits libzmq accepts until descriptors run out, and the control
+	// socket's next ipc accept then aborts the process.
+	sideLimits := sidechannel.DefaultLimits
+	sideLimits.FDReserve = cfg.Node.Limits.FDReserve
 	so := sidechannel.ServerOptions{
-		Addr:  net.JoinHostPort(cfg.Node.SideChannelHost, strconv.Itoa(cfg.HandshakePort())),
-		Curve: n.Curve,
+		Addr:   net.JoinHostPort(cfg.Node.SideChannelHost, strconv.Itoa(cfg.HandshakePort())),
+		Curve:  n.Curve,
+		Limits: &sideLimits,
 	}
 	if cfg.Auth.DataPlaneAuth() {
 		// Each authenticated decode gets the transfer-engine credential of

@@ -378,8 +378,13 @@ func TestSeedVectors(t *testing.T) {
 						}
 					}
 				}
-				if s.Op == "get_and_clear_finished_requests" {
+				if s.Op == "get_and_clear_finished_requests" && !slices.Contains(fired, "nt-held") {
 					// Directly: the seed's answer less what kvflow already reported.
+					// Only until nt-held fires: freeing a held request whose start a
+					// second add_delayed_request refreshed in place also frees the
+					// expired requests the seed's scan stopped at behind it, so
+					// kvflow may then report more than the seed (the model check
+					// below still decides every result exactly).
 					once := []string{}
 					for _, id := range *s.Result {
 						if reported[id] == 0 || slices.Contains(trRes, id) {
