@@ -4,7 +4,7 @@ import (
 	"context"
 	"fmt"
 
-	"github.com/kvflow/kvflow/internal/netem"
+	"github.com/kvflow/kvflow/internal/tooling/netem"
 )
 
 // checkNetem checks a --netem spec's syntax (before anything starts).

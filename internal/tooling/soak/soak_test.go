@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvflow/kvflow/internal/faults"
+	"github.com/kvflow/kvflow/internal/tooling/faults"
 )
 
 // soakLeaseTTL is TestSoak's lease TTL: production's mechanism at the soak's

@@ -11,7 +11,7 @@ import (
 
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/prefill"
-	"github.com/kvflow/kvflow/internal/stagehist"
+	"github.com/kvflow/kvflow/internal/tooling/stagehist"
 )
 
 // loadBatch is the most requests of one load call.

@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvflow/kvflow/internal/cli/benche2e"
+	"github.com/kvflow/kvflow/internal/tooling/benche2e"
 )
 
 const sample = `goos: linux

@@ -12,7 +12,7 @@ import (
 
 	"github.com/kvflow/kvflow/hw/npu"
 	"github.com/kvflow/kvflow/internal/config"
-	"github.com/kvflow/kvflow/internal/workers"
+	"github.com/kvflow/kvflow/internal/tooling/workers"
 	"github.com/kvflow/kvflow/stages/plan"
 )
 

@@ -3,7 +3,7 @@
 // in the same invocation on the same workers.
 //
 // A run starts one prefill instance and one decode instance on loopback:
-// by default each rank is a `kvflow serve` process (internal/workers, as
+// by default each rank is a `kvflow serve` process (internal/tooling/workers, as
 // the demo launches them: shm caches mapped here, ipc:// control sockets,
 // /metrics scraped for the per-stage histograms), driven the way vLLM
 // drives the connector — send on the prefill ranks, load on the decode
@@ -12,8 +12,8 @@
 // without Process, as BenchmarkE2E uses it) runs the ranks as nodes in
 // this process instead (node.Start; results from OnFinish). With --netem
 // the processes run in two network namespaces joined by an emulated link
-// (internal/netem). The driver fills a pool of prefill blocks with
-// internal/verify's pattern and drives each workload twice: "kvflow" loads every request as it arrives (all at once, or on
+// (internal/tooling/netem). The driver fills a pool of prefill blocks with
+// internal/tooling/verify's pattern and drives each workload twice: "kvflow" loads every request as it arrives (all at once, or on
 // the mixed preset's schedule) and lets the pipeline overlap them;
 // "serial" loads one request, waits until every decode rank reported it
 // done (handshake, read, stitch, DONE/ACK), then the next — the seed's

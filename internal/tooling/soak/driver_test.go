@@ -11,8 +11,8 @@ import (
 	"time"
 
 	"github.com/kvflow/kvflow/internal/decode"
-	"github.com/kvflow/kvflow/internal/faults"
 	"github.com/kvflow/kvflow/internal/prefill"
+	"github.com/kvflow/kvflow/internal/tooling/faults"
 )
 
 // seed is KVFLOW_SOAK_SEED, or a fresh one (logged, so a failure can be

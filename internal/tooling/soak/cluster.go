@@ -13,9 +13,9 @@ import (
 
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/decode"
-	"github.com/kvflow/kvflow/internal/faults"
 	"github.com/kvflow/kvflow/internal/node"
 	"github.com/kvflow/kvflow/internal/sidechannel"
+	"github.com/kvflow/kvflow/internal/tooling/faults"
 	"github.com/kvflow/kvflow/stages/plan"
 	"github.com/kvflow/kvflow/stages/read"
 )

@@ -18,12 +18,12 @@ import (
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/prefill"
-	"github.com/kvflow/kvflow/internal/stagehist"
-	"github.com/kvflow/kvflow/internal/workers"
+	"github.com/kvflow/kvflow/internal/tooling/stagehist"
+	"github.com/kvflow/kvflow/internal/tooling/workers"
 )
 
 // Net is an emulated link between a prefill and a decode network
-// namespace (internal/netem's *Net): workers run inside through Command,
+// namespace (internal/tooling/netem's *Net): workers run inside through Command,
 // decode reaches prefill at PrefillAddr (in userspace mode through the
 // delay relays Relay starts for prefill's ports), and the driver reaches
 // the workers' metrics through DialContext.

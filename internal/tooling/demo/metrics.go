@@ -6,7 +6,7 @@ import (
 
 	dto "github.com/prometheus/client_model/go"
 
-	"github.com/kvflow/kvflow/internal/stagehist"
+	"github.com/kvflow/kvflow/internal/tooling/stagehist"
 )
 
 // workerMetrics reads, off the decode workers' /metrics, what the summary

@@ -24,7 +24,7 @@ func TestPythonPackage(t *testing.T) {
 		t.Skipf("Python package tests skipped: %s with zmq, msgpack and numpy is not available (%v: %s); "+
 			"run scripts/deps.sh", systemPython, err, bytes.TrimSpace(out))
 	}
-	root, err := filepath.Abs(filepath.Join("..", ".."))
+	root, err := filepath.Abs(filepath.Join("..", "..", ".."))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -13,7 +13,7 @@ import (
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/node"
 	"github.com/kvflow/kvflow/internal/prefill"
-	"github.com/kvflow/kvflow/internal/stagehist"
+	"github.com/kvflow/kvflow/internal/tooling/stagehist"
 )
 
 // inproc runs the workers as nodes in this process (node.Start per rank:

@@ -3,7 +3,7 @@
 // namespaces work), then writes bench/RESULTS.md (and bench/e2e.svg) from
 // what they printed. Run it from the repository root:
 //
-//	go run ./internal/cli/benchresults/gen [-out bench/RESULTS.md] [-benchtime 1s]
+//	go run ./internal/tooling/benchresults/gen [-out bench/RESULTS.md] [-benchtime 1s]
 package main
 
 import (
@@ -22,9 +22,9 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/kvflow/kvflow/internal/cli/benche2e"
-	"github.com/kvflow/kvflow/internal/cli/benchresults"
-	"github.com/kvflow/kvflow/internal/netem"
+	"github.com/kvflow/kvflow/internal/tooling/benche2e"
+	"github.com/kvflow/kvflow/internal/tooling/benchresults"
+	"github.com/kvflow/kvflow/internal/tooling/netem"
 )
 
 // The packages with stage benchmarks. BenchmarkE2E (bench/) is skipped:

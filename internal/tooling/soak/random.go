@@ -4,7 +4,7 @@ import (
 	"math/rand/v2"
 	"time"
 
-	"github.com/kvflow/kvflow/internal/faults"
+	"github.com/kvflow/kvflow/internal/tooling/faults"
 )
 
 // RandomSchedule draws a fault schedule: each rate uniform in [0, its

@@ -11,9 +11,9 @@ import (
 	"time"
 
 	"github.com/kvflow/kvflow/internal/decode"
-	"github.com/kvflow/kvflow/internal/faults"
 	"github.com/kvflow/kvflow/internal/prefill"
-	"github.com/kvflow/kvflow/internal/verify"
+	"github.com/kvflow/kvflow/internal/tooling/faults"
+	"github.com/kvflow/kvflow/internal/tooling/verify"
 	"github.com/kvflow/kvflow/stages/plan"
 )
 

@@ -5,14 +5,14 @@
 // server over ZMQ, real TCP transfer engine, host-memory caches) and one
 // decode instance whose ranks are node.Start nodes too, but whose decode
 // workers are built here with decode.New, their Fetcher, Transfer and
-// Sender being internal/faults wrappers around adapters of the node's real
+// Sender being internal/tooling/faults wrappers around adapters of the node's real
 // sidechannel.Client and mooncake.TCPEngine. Reset builds a new round of
 // decode workers with new fault schedules on the same nodes; Kill closes a
 // prefill instance mid-run; AddPrefill starts a replacement.
 //
 // Run is the driver: one goroutine that submits requests (random sizes,
 // empty ones, local prefix hits; each request's source blocks filled with
-// internal/verify's pattern on every prefill rank, its local blocks zeroed
+// internal/tooling/verify's pattern on every prefill rank, its local blocks zeroed
 // on every decode rank, loaded on every decode rank as vLLM broadcasts),
 // polls decode Finished and prefill Finished, and reuses a block only once
 // it is free on its side. It checks:
