@@ -12,6 +12,7 @@ import (
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/tooling/stagehist"
+	"github.com/kvflow/kvflow/internal/tooling/testkit/loopback"
 	"github.com/kvflow/kvflow/internal/tooling/verify"
 	"github.com/kvflow/kvflow/stages/plan"
 )
@@ -55,23 +56,14 @@ type backend interface {
 }
 
 func (w Workload) config(role config.Role, rank, kvPort int, pool, local int) config.Config {
-	c := config.Default()
-	kv := &c.KVTransfer
-	kv.KVConnectorExtraConfig.Prefill = config.Parallel{TPSize: w.PrefillTP, DPSize: 1, PPSize: 1}
-	kv.KVConnectorExtraConfig.Decode = config.Parallel{TPSize: w.DecodeTP, DPSize: 1, PPSize: 1}
-	kv.KVPort = config.Port(kvPort)
-	nb := local
-	if role == config.Prefill {
-		kv.KVRole, kv.EngineID = config.KVProducer, "P"
-		nb = pool
-	} else {
-		kv.KVRole, kv.EngineID = config.KVConsumer, "D"
-		kv.KVPort = config.Port(kvPort + 1000)
+	lw := loopback.Worker{Role: role, EngineID: "P", KVPort: kvPort,
+		Prefill: loopback.TP(w.PrefillTP), Decode: loopback.TP(w.DecodeTP),
+		Model: config.Model{NumLayers: w.Layers, NumKVHeads: w.KVHeads, HeadDim: w.HeadDim, BlockSize: w.BlockSize, DType: "bf16", NumBlocks: pool}}
+	if role == config.Decode {
+		lw.EngineID, lw.KVPort, lw.Model.NumBlocks = "D", kvPort+1000, local
 	}
-	c.Model = config.Model{NumLayers: w.Layers, NumKVHeads: w.KVHeads, HeadDim: w.HeadDim, BlockSize: w.BlockSize, DType: "bf16", NumBlocks: nb}
+	c := loopback.Config(lw)
 	c.Rank = config.Rank{TP: rank}
-	c.Node.MetricsAddr = ""
-	c.Cache.NoHugePages = true
 	return c
 }
 

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -14,6 +13,7 @@ import (
 	"github.com/kvflow/kvflow/internal/node"
 	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/tooling/stagehist"
+	"github.com/kvflow/kvflow/internal/tooling/testkit"
 )
 
 // inproc runs the workers as nodes in this process (node.Start per rank:
@@ -27,16 +27,12 @@ type inproc struct {
 }
 
 func startInProc(w Workload, log *slog.Logger) (*cluster, error) {
-	var last error
-	for range 8 {
-		kvPort := 20000 + rand.IntN(28000)
-		c, err := tryInProc(w, kvPort, log)
-		if err == nil {
-			return c, nil
-		}
-		last = err
-	}
-	return nil, last
+	var c *cluster
+	_, err := testkit.OnFreePort(nil, func(kvPort int) (err error) {
+		c, err = tryInProc(w, kvPort, log)
+		return err
+	})
+	return c, err
 }
 
 func tryInProc(w Workload, kvPort int, log *slog.Logger) (_ *cluster, err error) {

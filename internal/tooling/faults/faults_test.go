@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvflow/kvflow/internal/tooling/testkit/fakes"
 	"github.com/kvflow/kvflow/stages/handshake"
 	"github.com/kvflow/kvflow/stages/job"
 	"github.com/kvflow/kvflow/stages/notify"
@@ -17,32 +18,18 @@ import (
 	"github.com/kvflow/kvflow/stages/read"
 )
 
-type fakeTransfer struct {
-	mu    sync.Mutex
-	calls [][]plan.Op
-	err   error
-}
-
-func (f *fakeTransfer) BatchRead(_ context.Context, _ string, b *read.Batch) error {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.calls = append(f.calls, b.AppendTo(nil))
-	return f.err
-}
-
-func (f *fakeTransfer) Capabilities() read.Capabilities { return read.Capabilities{} }
-
-type fakeSender struct {
-	mu   sync.Mutex
-	sent []string
-	err  error
-}
-
-func (f *fakeSender) SendDone(_ context.Context, ep, id string) error {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.sent = append(f.sent, ep+"/"+id)
-	return f.err
+// sent is what s was asked to send, as "endpoint/id" ("endpoint/batched:id"
+// through the batched path).
+func sent(s *fakes.Sender) []string {
+	var out []string
+	for _, d := range s.Dones() {
+		id := d.ID
+		if d.Batched {
+			id = "batched:" + id
+		}
+		out = append(out, d.Endpoint+"/"+id)
+	}
+	return out
 }
 
 var meta = job.Meta{EngineID: "P", TERPCPort: 9000, BaseAddrs: []uint64{0x1000, 0x9000}, NumBlocks: 64}
@@ -163,7 +150,7 @@ func TestInjectorReplay(t *testing.T) {
 	s := Schedule{Seed: 9, Done: Rates{Drop: .3, Duplicate: .2}}
 	run := func(reverse bool) map[string]int {
 		in := mustNew(t, s)
-		fs := &fakeSender{}
+		fs := &fakes.Sender{}
 		snd := in.Sender(fs)
 		var wg sync.WaitGroup
 		for i := range 200 {
@@ -174,7 +161,7 @@ func TestInjectorReplay(t *testing.T) {
 		}
 		wg.Wait()
 		got := map[string]int{}
-		for _, id := range fs.sent {
+		for _, id := range sent(fs) {
 			got[id]++
 		}
 		return got
@@ -233,7 +220,7 @@ func TestTransferKinds(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.kind.String(), func(t *testing.T) {
 			in := mustNew(t, Schedule{Seed: 1, Read: tc.rates, MaxDelay: time.Millisecond})
-			ft := &fakeTransfer{}
+			ft := &fakes.Transfer{}
 			err := in.Transfer(ft).BatchRead(context.Background(), "h:1", &read.Batch{List: ops(5)})
 			if (err != nil) != tc.wantErr {
 				t.Fatalf("err = %v, want error %v", err, tc.wantErr)
@@ -241,7 +228,7 @@ func TestTransferKinds(t *testing.T) {
 			if err != nil && !errors.Is(err, ErrInjected) {
 				t.Errorf("%v does not wrap ErrInjected", err)
 			}
-			tc.check(t, ft.calls)
+			tc.check(t, ft.Ops())
 			c := in.Counts()
 			if c.Of(Read, tc.kind) != 1 || c.Calls[Read] != 1 || c.Total() != 1 {
 				t.Errorf("counts %+v", c)
@@ -251,7 +238,7 @@ func TestTransferKinds(t *testing.T) {
 	// The wrapped transfer's error is returned as is.
 	inner := errors.New("peer gone")
 	in := mustNew(t, Schedule{Read: Rates{Duplicate: 1}})
-	if err := in.Transfer(&fakeTransfer{err: inner}).BatchRead(context.Background(), "h:1", &read.Batch{List: ops(2)}); !errors.Is(err, inner) || errors.Is(err, ErrInjected) {
+	if err := in.Transfer(&fakes.Transfer{Err: inner}).BatchRead(context.Background(), "h:1", &read.Batch{List: ops(2)}); !errors.Is(err, inner) || errors.Is(err, ErrInjected) {
 		t.Errorf("inner error: %v", err)
 	}
 }
@@ -262,7 +249,7 @@ func TestDelayHonoursContext(t *testing.T) {
 	ctx, cancel := context.WithTimeoutCause(context.Background(), 20*time.Millisecond, errors.New("deadline"))
 	defer cancel()
 	start := time.Now()
-	ft, fs := &fakeTransfer{}, &fakeSender{}
+	ft, fs := &fakes.Transfer{}, &fakes.Sender{}
 	if err := in.Transfer(ft).BatchRead(ctx, "h:1", &read.Batch{List: ops(1)}); err == nil || err.Error() != "deadline" {
 		t.Errorf("read: %v", err)
 	}
@@ -272,8 +259,8 @@ func TestDelayHonoursContext(t *testing.T) {
 	if _, err := in.Fetcher(fakeFetcher()).GetMeta(ctx, "h:1"); err == nil {
 		t.Error("get meta: no error")
 	}
-	if time.Since(start) > 5*time.Second || len(ft.calls) != 0 || len(fs.sent) != 0 {
-		t.Errorf("delay not cut short: %v, %d reads, %d sends", time.Since(start), len(ft.calls), len(fs.sent))
+	if time.Since(start) > 5*time.Second || len(ft.Ops()) != 0 || len(sent(fs)) != 0 {
+		t.Errorf("delay not cut short: %v, %d reads, %d sends", time.Since(start), len(ft.Ops()), len(sent(fs)))
 	}
 }
 
@@ -289,20 +276,12 @@ func TestSenderKinds(t *testing.T) {
 		{Rates{}, 1, false},
 	} {
 		in := mustNew(t, Schedule{Done: tc.rates, MaxDelay: time.Millisecond})
-		fs := &fakeSender{}
+		fs := &fakes.Sender{}
 		err := in.Sender(fs).SendDone(context.Background(), "h:1", "r")
-		if (err != nil) != tc.wantErr || len(fs.sent) != tc.sent {
-			t.Errorf("%+v: err %v, sent %d, want %d", tc.rates, err, len(fs.sent), tc.sent)
+		if (err != nil) != tc.wantErr || len(sent(fs)) != tc.sent {
+			t.Errorf("%+v: err %v, sent %d, want %d", tc.rates, err, len(sent(fs)), tc.sent)
 		}
 	}
-}
-
-// batchSender is a fakeSender with the batched path, recording which path
-// each DONE took.
-type batchSender struct{ fakeSender }
-
-func (b *batchSender) SendDoneBatched(ctx context.Context, ep, id string) error {
-	return b.SendDone(ctx, ep, "batched:"+id)
 }
 
 // The injector's sender forwards batched DONEs to the inner sender's
@@ -319,24 +298,24 @@ func TestSenderBatched(t *testing.T) {
 		{Rates{}, 1, false},
 	} {
 		in := mustNew(t, Schedule{Done: tc.rates, MaxDelay: time.Millisecond})
-		bs := &batchSender{}
+		bs := &fakes.BatchSender{}
 		snd, ok := in.Sender(bs).(notify.BatchSender)
 		if !ok {
 			t.Fatal("injector's sender has no batched path")
 		}
 		err := snd.SendDoneBatched(context.Background(), "h:1", "r")
-		if (err != nil) != tc.wantErr || len(bs.sent) != tc.sent {
-			t.Errorf("%+v: err %v, sent %d, want %d", tc.rates, err, len(bs.sent), tc.sent)
+		if (err != nil) != tc.wantErr || len(sent(&bs.Sender)) != tc.sent {
+			t.Errorf("%+v: err %v, sent %d, want %d", tc.rates, err, len(sent(&bs.Sender)), tc.sent)
 		}
-		for _, s := range bs.sent {
+		for _, s := range sent(&bs.Sender) {
 			if s != "h:1/batched:r" {
 				t.Errorf("%+v: sent %q, want the batched path", tc.rates, s)
 			}
 		}
 	}
-	fs := &fakeSender{}
-	if err := mustNew(t, Schedule{}).Sender(fs).(notify.BatchSender).SendDoneBatched(context.Background(), "h:1", "r"); err != nil || len(fs.sent) != 1 || fs.sent[0] != "h:1/r" {
-		t.Errorf("plain inner sender: err %v, sent %v", err, fs.sent)
+	fs := &fakes.Sender{}
+	if err := mustNew(t, Schedule{}).Sender(fs).(notify.BatchSender).SendDoneBatched(context.Background(), "h:1", "r"); err != nil || len(sent(fs)) != 1 || sent(fs)[0] != "h:1/r" {
+		t.Errorf("plain inner sender: err %v, sent %v", err, sent(fs))
 	}
 }
 
@@ -383,7 +362,7 @@ func TestFetcherCorrupt(t *testing.T) {
 func TestDisabledAndCounts(t *testing.T) {
 	in := mustNew(t, Schedule{Read: Rates{Fail: 1}, Done: Rates{Drop: 1}})
 	in.SetEnabled(false)
-	ft := &fakeTransfer{}
+	ft := &fakes.Transfer{}
 	if err := in.Transfer(ft).BatchRead(context.Background(), "h:1", &read.Batch{List: ops(1)}); err != nil {
 		t.Fatalf("disabled injector failed a read: %v", err)
 	}
@@ -392,7 +371,7 @@ func TestDisabledAndCounts(t *testing.T) {
 	}
 	in.SetEnabled(true)
 	in.Transfer(ft).BatchRead(context.Background(), "h:1", &read.Batch{List: ops(1)})
-	in.Sender(&fakeSender{}).SendDone(context.Background(), "h:1", "r")
+	in.Sender(&fakes.Sender{}).SendDone(context.Background(), "h:1", "r")
 	sum := in.Counts().Add(in.Counts())
 	if sum.Of(Read, Fail) != 2 || sum.Of(SendDone, Drop) != 2 || sum.Total() != 4 {
 		t.Errorf("sum %+v", sum)

@@ -4,38 +4,13 @@ import (
 	"context"
 	"errors"
 	"slices"
-	"sync"
 	"testing"
 	"time"
 
+	"github.com/kvflow/kvflow/internal/tooling/testkit/fakes"
 	"github.com/kvflow/kvflow/stages/plan"
 	"github.com/kvflow/kvflow/stages/read"
 )
-
-// readsFake has no ledger; it records what each call got, expanded, and
-// whether it came compact.
-type readsFake struct {
-	mu      sync.Mutex
-	calls   [][]plan.Op
-	compact []bool
-}
-
-func (f *readsFake) add(ops []plan.Op, compact bool) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.calls = append(f.calls, ops)
-	f.compact = append(f.compact, compact)
-}
-
-func (f *readsFake) BatchRead(_ context.Context, _ string, b *read.Batch) error {
-	if b.Landed != nil {
-		return errors.New("ledger asked of a transfer without one")
-	}
-	f.add(b.AppendTo(nil), b.Reads != nil)
-	return nil
-}
-
-func (f *readsFake) Capabilities() read.Capabilities { return read.Capabilities{} }
 
 // testReads is 10 ops: 2 tensors x 5 single-block runs.
 func testReads(t *testing.T) *plan.Reads {
@@ -77,10 +52,10 @@ func TestTransferCompactReads(t *testing.T) {
 			}
 			s := Schedule{Seed: 3, Read: rates, MaxDelay: time.Millisecond}
 			// The same call as a plain op list, for reference.
-			ref := &fakeTransfer{}
+			ref := &fakes.Transfer{}
 			refErr := mustNew(t, s).Transfer(ref).BatchRead(context.Background(), "h:1", &read.Batch{List: all})
 
-			f := &readsFake{}
+			f := &fakes.Transfer{}
 			landed := make([]uint64, rd.Len())
 			tr := mustNew(t, s).Transfer(f)
 			if !tr.Capabilities().Ledger {
@@ -90,21 +65,22 @@ func TestTransferCompactReads(t *testing.T) {
 			if (err != nil) != (refErr != nil) || (err != nil && !errors.Is(err, ErrInjected)) {
 				t.Fatalf("err %v, op-list call %v", err, refErr)
 			}
-			if len(f.calls) != len(ref.calls) {
-				t.Fatalf("%d inner calls, op-list call made %d", len(f.calls), len(ref.calls))
+			calls, refCalls, reads := f.Ops(), ref.Ops(), f.Reads()
+			if len(calls) != len(refCalls) {
+				t.Fatalf("%d inner calls, op-list call made %d", len(calls), len(refCalls))
 			}
-			for i := range f.calls {
-				if !slices.Equal(f.calls[i], ref.calls[i]) {
-					t.Fatalf("call %d ran %v, op-list call ran %v", i, f.calls[i], ref.calls[i])
+			for i := range calls {
+				if !slices.Equal(calls[i], refCalls[i]) {
+					t.Fatalf("call %d ran %v, op-list call ran %v", i, calls[i], refCalls[i])
 				}
-				whole := len(f.calls[i]) == len(all)
-				if f.compact[i] != whole {
-					t.Errorf("call %d of %d ops compact=%v", i, len(f.calls[i]), f.compact[i])
+				whole := len(calls[i]) == len(all)
+				if reads[i].Compact != whole {
+					t.Errorf("call %d of %d ops compact=%v", i, len(calls[i]), reads[i].Compact)
 				}
 			}
 			ran := 0 // ops whose bytes landed: the last run's (a prefix when cut)
-			if len(f.calls) > 0 {
-				ran = len(f.calls[len(f.calls)-1])
+			if len(calls) > 0 {
+				ran = len(calls[len(calls)-1])
 			}
 			for i, op := range all {
 				want := uint64(0)
@@ -119,31 +95,12 @@ func TestTransferCompactReads(t *testing.T) {
 	}
 }
 
-// stridedFake also takes strided reads (LocalStride), recording the
-// stride.
-type stridedFake struct {
-	readsFake
-	strides [][2]uint64
-}
-
-func (f *stridedFake) Capabilities() read.Capabilities { return read.Capabilities{LocalStride: true} }
-
-func (f *stridedFake) BatchRead(_ context.Context, _ string, b *read.Batch) error {
-	f.add(b.AppendTo(nil), true)
-	if b.Row > 0 {
-		f.mu.Lock()
-		f.strides = append(f.strides, [2]uint64{b.Row, b.Pitch})
-		f.mu.Unlock()
-	}
-	return nil
-}
-
 // The wrapper offers strided reads exactly when the inner transfer does;
 // under each read fault a strided batch runs whole, twice, or not at all,
 // never in part, and a cut one (Truncate, ShortRead) fails: with no
 // ledger, a silent partial read could not be caught.
 func TestTransferStridedReads(t *testing.T) {
-	if mustNew(t, Schedule{}).Transfer(&readsFake{}).Capabilities().LocalStride {
+	if mustNew(t, Schedule{}).Transfer(&fakes.Transfer{}).Capabilities().LocalStride {
 		t.Fatal("wrapper of a non-strided transfer offers strided reads")
 	}
 	rd := testReads(t)
@@ -161,7 +118,7 @@ func TestTransferStridedReads(t *testing.T) {
 		{Duplicate, Rates{Duplicate: 1}, 2, false},
 	} {
 		t.Run(c.kind.String(), func(t *testing.T) {
-			f := &stridedFake{}
+			f := &fakes.Transfer{Strided: true}
 			tr := mustNew(t, Schedule{Seed: 3, Read: c.rates, MaxDelay: time.Millisecond}).Transfer(f)
 			if !tr.Capabilities().LocalStride {
 				t.Fatal("wrapper of a strided transfer does not offer strided reads")
@@ -170,12 +127,13 @@ func TestTransferStridedReads(t *testing.T) {
 			if (err != nil) != c.fails || (err != nil && !errors.Is(err, ErrInjected)) {
 				t.Fatalf("err %v, want failure %v", err, c.fails)
 			}
-			if len(f.calls) != c.calls {
-				t.Fatalf("%d inner calls, want %d", len(f.calls), c.calls)
+			if len(f.Ops()) != c.calls {
+				t.Fatalf("%d inner calls, want %d", len(f.Ops()), c.calls)
 			}
-			for i, s := range f.strides {
-				if s != [2]uint64{16, 64} || len(f.calls[i]) != rd.Len() {
-					t.Fatalf("call %d: stride %v, %d ops", i, s, len(f.calls[i]))
+			for i, r := range f.Reads() {
+				s := [2]uint64{r.Row, r.Pitch}
+				if s != [2]uint64{16, 64} || len(f.Ops()[i]) != rd.Len() {
+					t.Fatalf("call %d: stride %v, %d ops", i, s, len(f.Ops()[i]))
 				}
 			}
 		})

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"sync"
 	"time"
 
@@ -16,6 +15,7 @@ import (
 	"github.com/kvflow/kvflow/internal/node"
 	"github.com/kvflow/kvflow/internal/sidechannel"
 	"github.com/kvflow/kvflow/internal/tooling/faults"
+	"github.com/kvflow/kvflow/internal/tooling/testkit/loopback"
 	"github.com/kvflow/kvflow/stages/plan"
 	"github.com/kvflow/kvflow/stages/read"
 )
@@ -147,33 +147,18 @@ func Start(o Options) (_ *Cluster, err error) {
 			return nil, err
 		}
 	}
-	var lastErr error
-	for range 8 {
-		if lastErr = c.startDecode(20000 + rand.IntN(30000)); lastErr == nil {
-			return c, nil
-		}
+	if err := c.startDecode(); err != nil {
+		return nil, fmt.Errorf("soak: start decode: %w", err)
 	}
-	return nil, fmt.Errorf("soak: start decode: %w", lastErr)
+	return c, nil
 }
 
-func (c *Cluster) config(role string, kvPort int, engine string) config.Config {
+func (c *Cluster) config(role config.Role, kvPort int, engine string) config.Config {
 	o := c.Opts
-	cfg := config.Default()
-	kv := &cfg.KVTransfer
-	kv.KVConnectorExtraConfig.Prefill = config.Parallel{TPSize: o.PrefillTP, DPSize: 1, PPSize: 1}
-	kv.KVConnectorExtraConfig.Decode = config.Parallel{TPSize: o.DecodeTP, DPSize: 1, PPSize: 1}
-	kv.KVPort = config.Port(kvPort)
-	kv.EngineID = engine
-	if role == "prefill" {
-		kv.KVRole = config.KVProducer
-	} else {
-		kv.KVRole = config.KVConsumer
-	}
-	cfg.Model = config.Model{NumLayers: o.Layers, NumKVHeads: 8, HeadDim: 16, BlockSize: 16, DType: "bf16", NumBlocks: o.Blocks}
-	cfg.Node.MetricsAddr = ""
-	cfg.Cache.NoHugePages = true
-	cfg.Handshake.Timeout = config.Duration(o.HandshakeTimeout)
-	cfg.Notify.Timeout = config.Duration(o.HandshakeTimeout)
+	cfg := loopback.Config(loopback.Worker{Role: role, EngineID: engine, KVPort: kvPort,
+		Prefill: loopback.TP(o.PrefillTP), Decode: loopback.TP(o.DecodeTP),
+		Model:            config.Model{NumLayers: o.Layers, NumKVHeads: 8, HeadDim: 16, BlockSize: 16, DType: "bf16", NumBlocks: o.Blocks},
+		HandshakeTimeout: o.HandshakeTimeout})
 	cfg.Tracker.AbortRequestTimeout = config.Duration(o.AbortTimeout)
 	cfg.Tracker.LeaseTTL = config.Duration(o.LeaseTTL)
 	return cfg
@@ -181,29 +166,22 @@ func (c *Cluster) config(role string, kvPort int, engine string) config.Config {
 
 // AddPrefill starts a new prefill instance on free ports.
 func (c *Cluster) AddPrefill() (*Prefill, error) {
-	var lastErr error
-	for range 8 {
-		port := 20000 + rand.IntN(30000)
-		p := &Prefill{Name: fmt.Sprintf("P%d", c.next), Port: port}
-		lastErr = nil
-		for r := range c.Opts.PrefillTP {
-			cfg := c.config("prefill", port, p.Name)
-			cfg.Rank = config.Rank{TP: r}
-			n, err := node.Start(cfg, node.Deps{Logger: c.Opts.Logger})
-			if err != nil {
-				lastErr = err
-				break
-			}
-			p.Ranks = append(p.Ranks, n)
+	name := fmt.Sprintf("P%d", c.next)
+	ranks, port, err := loopback.StartRanks(nil, func(port int) []config.Config {
+		cfgs := make([]config.Config, c.Opts.PrefillTP)
+		for r := range cfgs {
+			cfgs[r] = c.config(config.Prefill, port, name)
+			cfgs[r].Rank = config.Rank{TP: r}
 		}
-		if lastErr == nil {
-			c.next++
-			c.Prefill = append(c.Prefill, p)
-			return p, nil
-		}
-		closeNodes(p.Ranks)
+		return cfgs
+	}, func(int) node.Deps { return node.Deps{Logger: c.Opts.Logger} })
+	if err != nil {
+		return nil, fmt.Errorf("soak: start prefill instance: %w", err)
 	}
-	return nil, fmt.Errorf("soak: start prefill instance: %w", lastErr)
+	p := &Prefill{Name: name, Port: port, Ranks: ranks}
+	c.next++
+	c.Prefill = append(c.Prefill, p)
+	return p, nil
 }
 
 // Kill closes every rank of p (a prefill instance dying); requests in
@@ -213,36 +191,26 @@ func (c *Cluster) Kill(p *Prefill) error {
 		return nil
 	}
 	p.Dead = true
-	return closeNodes(p.Ranks)
+	return loopback.CloseNodes(p.Ranks...)
 }
 
-func closeNodes(ns []*node.Node) error {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	var errs []error
+// startDecode starts the decode instance's ranks on a free kv_port.
+func (c *Cluster) startDecode() error {
+	ns, _, err := loopback.StartRanks(nil, func(port int) []config.Config {
+		cfgs := make([]config.Config, c.Opts.DecodeTP)
+		for r := range cfgs {
+			cfgs[r] = c.config(config.Decode, port, "D")
+			cfgs[r].Rank = config.Rank{TP: r}
+		}
+		return cfgs
+	}, func(int) node.Deps { return node.Deps{Logger: c.Opts.Logger} })
+	if err != nil {
+		return err
+	}
+	c.Decode = nil
 	for _, n := range ns {
-		if err := n.Close(ctx); err != nil {
-			errs = append(errs, err)
-		}
+		c.Decode = append(c.Decode, &DecodeRank{Node: n, doneSends: map[doneKey]int{}})
 	}
-	return errors.Join(errs...)
-}
-
-func (c *Cluster) startDecode(port int) error {
-	var ranks []*DecodeRank
-	for r := range c.Opts.DecodeTP {
-		cfg := c.config("decode", port, "D")
-		cfg.Rank = config.Rank{TP: r}
-		n, err := node.Start(cfg, node.Deps{Logger: c.Opts.Logger})
-		if err != nil {
-			for _, d := range ranks {
-				closeNodes([]*node.Node{d.Node})
-			}
-			return err
-		}
-		ranks = append(ranks, &DecodeRank{Node: n, doneSends: map[doneKey]int{}})
-	}
-	c.Decode = ranks
 	return nil
 }
 
@@ -304,7 +272,7 @@ func (c *Cluster) closeWorkers() error {
 func (c *Cluster) Close() error {
 	errs := []error{c.closeWorkers()}
 	for _, d := range c.Decode {
-		errs = append(errs, closeNodes([]*node.Node{d.Node}))
+		errs = append(errs, loopback.CloseNodes(d.Node))
 	}
 	for _, p := range c.Prefill {
 		errs = append(errs, c.Kill(p))
