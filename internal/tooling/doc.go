@@ -6,12 +6,12 @@
 // reads stage histograms), and testkit, the one package of helpers that
 // tests share.
 //
-// The product is the rest of the module: pipeline/, stages/, hw/ and the
-// packages directly under internal/ (config, control, decode, prefill,
-// node, sidechannel, pidlock, sched, cli/clierr, cli/plancmd). cmd/kvflow
-// is the only product package that may import tooling (it wires `kvflow
-// demo` and `kvflow bench` as subcommands); tests of product packages may
-// too.
+// The product is the rest of the module: pipeline/, stages/, hw/ and every
+// package under internal/ but this one (config, control, decode, prefill,
+// node, peers, sidechannel, pidlock, sched, cli/clierr, cli/plancmd, ...).
+// cmd/kvflow is the only product package that may import tooling (it wires
+// `kvflow demo` and `kvflow bench` as subcommands); tests of product
+// packages may too.
 //
 // # Never
 //
