@@ -58,11 +58,11 @@ demo-engine: build
 # stage benchmarks' -benchtime.
 BENCHTIME ?= 1s
 bench: deps
-	GO=$(GO) $(GO) run ./internal/cli/benchresults/gen -out bench/RESULTS.md -plot bench/e2e.svg -benchtime $(BENCHTIME)
+	GO=$(GO) $(GO) run ./internal/tooling/benchresults/gen -out bench/RESULTS.md -plot bench/e2e.svg -benchtime $(BENCHTIME)
 
 # 10 minutes of mixed load with random faults on loopback (not part of make test).
 soak: deps
-	KVFLOW_SOAK_DURATION=$${KVFLOW_SOAK_DURATION:-10m} $(GO) test -race -run TestSoak -timeout 20m -v ./internal/soak/
+	KVFLOW_SOAK_DURATION=$${KVFLOW_SOAK_DURATION:-10m} $(GO) test -race -run TestSoak -timeout 20m -v ./internal/tooling/soak/
 
 # Opt-in: Debian's Prometheus scrapes live workers and answers a per-stage latency query.
 e2e-prometheus: deps

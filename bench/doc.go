@@ -17,7 +17,7 @@
 //     plain copy() of the same bytes between the same two mappings and vs
 //     TCPEngine.BatchRead on loopback;
 //   - BenchmarkNotify: DONE_RECVING/ACK round trips vs bare REQ/REP;
-//   - BenchmarkE2E: the `kvflow bench e2e` presets (internal/cli/benche2e),
+//   - BenchmarkE2E: the `kvflow bench e2e` presets (internal/tooling/benche2e),
 //     kvflow's pipeline vs the serial baseline on the same workers;
 //   - the pipeline's no-op chain is pipeline/bench_test.go's
 //     BenchmarkChain.

@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvflow/kvflow/internal/cli/benche2e"
+	"github.com/kvflow/kvflow/internal/tooling/benche2e"
 )
 
 // BenchmarkE2E runs the `kvflow bench e2e` presets in this process (the

@@ -8,7 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -31,6 +30,7 @@ import (
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/node"
 	"github.com/kvflow/kvflow/internal/prefill"
+	"github.com/kvflow/kvflow/internal/tooling/testkit/loopback"
 )
 
 const (
@@ -298,57 +298,31 @@ type cluster struct {
 	seq             int
 }
 
-func workerConfig(role string, kvPort int) config.Config {
-	c := config.Default()
-	kv := &c.KVTransfer
-	kv.KVConnectorExtraConfig.Prefill = config.Parallel{TPSize: 1, DPSize: 1, PPSize: 1}
-	kv.KVConnectorExtraConfig.Decode = config.Parallel{TPSize: 1, DPSize: 1, PPSize: 1}
-	kv.KVPort = config.Port(kvPort)
-	if role == "prefill" {
-		kv.KVRole, kv.EngineID = config.KVProducer, "P"
-	} else {
-		kv.KVRole, kv.EngineID = config.KVConsumer, "D"
-	}
-	c.Model = config.Model{NumLayers: 2, NumKVHeads: 4, HeadDim: 16, BlockSize: 16, DType: "bf16", NumBlocks: 32}
-	c.Node.MetricsAddr = ""
-	c.Cache.NoHugePages = true
-	c.Handshake.Timeout = config.Duration(500 * time.Millisecond)
-	c.Notify.Timeout = config.Duration(500 * time.Millisecond)
-	return c
+func workerConfig(role config.Role, kvPort int) config.Config {
+	engine := map[config.Role]string{config.Prefill: "P", config.Decode: "D"}[role]
+	return loopback.Config(loopback.Worker{Role: role, EngineID: engine, KVPort: kvPort,
+		Prefill: loopback.TP(1), Decode: loopback.TP(1),
+		Model:            config.Model{NumLayers: 2, NumKVHeads: 4, HeadDim: 16, BlockSize: 16, DType: "bf16", NumBlocks: 32},
+		HandshakeTimeout: 500 * time.Millisecond})
 }
 
+// startCluster starts one prefill worker (kv_port) and one decode worker
+// (kv_port+1000), TP 1 each.
 func startCluster(t *testing.T) *cluster {
 	t.Helper()
-	var lastErr error
-	for attempt := range 8 {
-		kvPort := 20000 + rand.IntN(30000)
-		c := &cluster{kvPort: kvPort, regP: newRecorder(), regD: newRecorder(), results: make(chan decode.Result, 64)}
-		var err error
-		c.prefill, err = node.Start(workerConfig("prefill", kvPort), node.Deps{Registerer: c.regP})
-		if err == nil {
-			c.decode, err = node.Start(workerConfig("decode", kvPort+1000), node.Deps{Registerer: c.regD,
-				OnFinish: func(r decode.Result) { c.results <- r }})
-			if err != nil {
-				closeNodes(c.prefill)
-			}
+	c := &cluster{results: make(chan decode.Result, 64)}
+	ns, kvPort := loopback.Start(t, func(kvPort int) []config.Config {
+		return []config.Config{workerConfig(config.Prefill, kvPort), workerConfig(config.Decode, kvPort+1000)}
+	}, func(i int) node.Deps { // fresh registries for every attempt
+		if i == 0 {
+			c.regP = newRecorder()
+			return node.Deps{Registerer: c.regP}
 		}
-		if err == nil {
-			t.Cleanup(func() { closeNodes(c.decode, c.prefill) })
-			return c
-		}
-		lastErr = err
-		t.Logf("attempt %d on kv_port %d: %v", attempt, kvPort, err)
-	}
-	t.Fatalf("start workers: %v", lastErr)
-	return nil
-}
-
-func closeNodes(ns ...*node.Node) {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	for _, n := range ns {
-		n.Close(ctx)
-	}
+		c.regD = newRecorder()
+		return node.Deps{Registerer: c.regD, OnFinish: func(r decode.Result) { c.results <- r }}
+	})
+	c.prefill, c.decode, c.kvPort = ns[0], ns[1], kvPort
+	return c
 }
 
 // request drives one request through prefill Send → decode Load → the

@@ -185,8 +185,13 @@ class ClientTest(unittest.TestCase):
     def test_bad_arguments(self):
         with self.assertRaises(ValueError):
             kc.Client("/tmp/x")
+        for bad in ("10", 0, -1, None, True, float("nan")):
+            with self.assertRaisesRegex(ValueError, "timeout_ms must be a number > 0"):
+                kc.Client("ipc:///tmp/x", timeout_ms=bad)
         with self.assertRaises(TypeError):
             self.c.load([{"request_id": "a", "local_block_ids": None, "kv_transfer_params": {}}])
+        with self.assertRaisesRegex(TypeError, "delay_start_time of 'a' must be a number"):
+            self.c.send([{"request_id": "a", "delay_start_time": "soon"}])
 
     def test_threads(self):
         errs = []

@@ -11,8 +11,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvflow/kvflow/internal/cli/benche2e"
-	"github.com/kvflow/kvflow/internal/netem"
+	"github.com/kvflow/kvflow/internal/tooling/benche2e"
+	"github.com/kvflow/kvflow/internal/tooling/netem"
 )
 
 // serveChildren lists the pids of this process's children running

@@ -14,7 +14,7 @@ import (
 	"time"
 
 	"github.com/kvflow/kvflow/internal/config"
-	"github.com/kvflow/kvflow/internal/workers"
+	"github.com/kvflow/kvflow/internal/tooling/workers"
 )
 
 // crashWorkerConfig is a small worker of role with a shm cache removed at

@@ -11,7 +11,7 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/kvflow/kvflow/internal/demo"
+	"github.com/kvflow/kvflow/internal/tooling/demo"
 )
 
 func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {

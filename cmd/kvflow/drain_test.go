@@ -16,8 +16,8 @@ import (
 	"time"
 
 	"github.com/kvflow/kvflow/internal/config"
-	"github.com/kvflow/kvflow/internal/verify"
-	"github.com/kvflow/kvflow/internal/workers"
+	"github.com/kvflow/kvflow/internal/tooling/verify"
+	"github.com/kvflow/kvflow/internal/tooling/workers"
 	"github.com/kvflow/kvflow/stages/plan"
 )
 

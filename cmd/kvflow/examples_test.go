@@ -12,7 +12,7 @@ import (
 	"time"
 
 	"github.com/kvflow/kvflow/internal/config"
-	"github.com/kvflow/kvflow/internal/workers"
+	"github.com/kvflow/kvflow/internal/tooling/workers"
 )
 
 // The README's "Running a worker" commands name every example config, and

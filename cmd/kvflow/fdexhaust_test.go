@@ -25,6 +25,7 @@ import (
 
 	"github.com/kvflow/kvflow/hw/mooncake"
 	"github.com/kvflow/kvflow/internal/config"
+	"github.com/kvflow/kvflow/internal/workers"
 )
 
 // The worker's descriptor limit in TestServeDataPortFDExhaustion: the
@@ -48,7 +49,13 @@ func TestServeDataPortFDExhaustion(t *testing.T) {
 	dir := t.TempDir()
 	cfg := config.Example(config.Prefill)
 	cfg.Model.NumBlocks, cfg.Model.NumLayers, cfg.Model.BlockSize = 8, 2, 16
-	cfg.KVTransfer.KVPort = config.Port(20000 + (os.Getpid()+7919)%20000)
+	// A port checked free now (a port derived from the pid collided with
+	// ephemeral ports of other tests' connections: exit 2, "address in use").
+	kvPort, err := workers.FreePorts(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.KVTransfer.KVPort = config.Port(kvPort)
 	cfg.Node.SideChannelHost, cfg.Node.TEHost, cfg.Node.TEPort = "127.0.0.1", "127.0.0.1", 0
 	cfg.Node.Control = "ipc://" + filepath.Join(dir, "p.sock")
 	cfg.Node.MetricsAddr = "127.0.0.1:0"
@@ -107,6 +114,10 @@ func TestServeDataPortFDExhaustion(t *testing.T) {
 	sideChannel := "127.0.0.1:" + field("handshake_port")
 	if !strings.Contains(stderr.String(), `"soft":1024,"hard":1024`) {
 		t.Errorf("worker did not log its open files limit 1024/1024:\n%s", stderr.String())
+	}
+	// Grants off (set above) is warned at start, saying what it exposes (#19).
+	if !regexp.MustCompile(`"level":"WARN","msg":"read.grants=off: any peer that reaches the transfer engine's data port can read every registered block`).MatchString(stderr.String()) {
+		t.Errorf("worker with read.grants off did not warn at start:\n%s", stderr.String())
 	}
 
 	// A legitimate peer: one lane, opened by a read before the flood.

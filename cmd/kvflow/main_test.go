@@ -22,6 +22,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/kvflow/kvflow/internal/config"
+	"github.com/kvflow/kvflow/internal/workers"
 )
 
 // The test binary doubles as the kvflow binary: the demo re-executes
@@ -156,7 +157,13 @@ func TestServeSIGTERM(t *testing.T) {
 	}()
 	cfg := config.Example(config.Decode)
 	cfg.Model.NumBlocks, cfg.Model.NumLayers, cfg.Model.BlockSize = 8, 2, 16
-	cfg.KVTransfer.KVPort = config.Port(20000 + os.Getpid()%20000)
+	// A port checked free now (a port derived from the pid collided with
+	// ephemeral ports of other tests' connections: exit 2, "address in use").
+	kvPort, err := workers.FreePorts(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.KVTransfer.KVPort = config.Port(kvPort)
 	cfg.Node.Control = "ipc://" + filepath.Join(dir, "d.sock")
 	cfg.Cache.NoHugePages = true
 	cfg.Handshake.Timeout, cfg.Handshake.Attempts = config.Duration(20*time.Second), 1

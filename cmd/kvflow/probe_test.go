@@ -3,7 +3,6 @@ package main
 import (
 	"encoding/json"
 	"fmt"
-	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -14,34 +13,21 @@ import (
 
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/node"
+	"github.com/kvflow/kvflow/internal/tooling/testkit/loopback"
 )
 
 // startProbePrefill starts an in-process prefill worker (a small cache, on
 // a random free port) with auth and returns its side channel's host:port.
 func startProbePrefill(t *testing.T, auth config.Auth) string {
 	t.Helper()
-	var lastErr error
-	for range 8 {
-		c := config.Default()
-		kv := &c.KVTransfer
-		kv.KVConnectorExtraConfig.Prefill = config.Parallel{TPSize: 1, DPSize: 1, PPSize: 1}
-		kv.KVConnectorExtraConfig.Decode = config.Parallel{TPSize: 1, DPSize: 1, PPSize: 1}
-		kv.KVRole, kv.EngineID = config.KVProducer, "probe-P"
-		kv.KVPort = config.Port(20000 + rand.IntN(30000))
-		c.Model = config.Model{NumLayers: 2, NumKVHeads: 8, HeadDim: 16, BlockSize: 16, DType: "bf16", NumBlocks: 16}
-		c.Node.MetricsAddr = ""
-		c.Cache.NoHugePages = true
+	ns, _ := loopback.Start(t, func(kvPort int) []config.Config {
+		c := loopback.Config(loopback.Worker{Role: config.Prefill, EngineID: "probe-P", KVPort: kvPort,
+			Prefill: loopback.TP(1), Decode: loopback.TP(1),
+			Model: config.Model{NumLayers: 2, NumKVHeads: 8, HeadDim: 16, BlockSize: 16, DType: "bf16", NumBlocks: 16}})
 		c.Auth = auth
-		n, err := node.Start(c, node.Deps{})
-		if err != nil {
-			lastErr = err
-			continue
-		}
-		t.Cleanup(func() { n.Close(t.Context()) })
-		return fmt.Sprintf("127.0.0.1:%d", c.HandshakePort())
-	}
-	t.Fatalf("start prefill: %v", lastErr)
-	return ""
+		return []config.Config{c}
+	}, func(int) node.Deps { return node.Deps{} })
+	return fmt.Sprintf("127.0.0.1:%d", ns[0].Config.HandshakePort())
 }
 
 // keygen writes a key pair with `kvflow keygen` and returns its files.

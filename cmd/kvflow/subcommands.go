@@ -6,9 +6,9 @@ import (
 	"fmt"
 	"io"
 
-	"github.com/kvflow/kvflow/internal/cli/benche2e"
-	"github.com/kvflow/kvflow/internal/cli/benchte"
 	"github.com/kvflow/kvflow/internal/cli/plancmd"
+	"github.com/kvflow/kvflow/internal/tooling/benche2e"
+	"github.com/kvflow/kvflow/internal/tooling/benchte"
 )
 
 func runPlan(ctx context.Context, args []string, stdout, stderr io.Writer) error {

@@ -1,36 +1,16 @@
 package npu
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
 	"slices"
 	"strconv"
 	"strings"
 	"testing"
 	"unsafe"
+
+	"github.com/kvflow/kvflow/internal/tooling/testkit"
 )
-
-// seedref is the vector directory: $KVFLOW_SEEDREF_DIR (absolute) when set,
-// e.g. a set made by scripts/seedref/gen.py with another salt, else the repo copy.
-var seedref = func() string {
-	if d := os.Getenv("KVFLOW_SEEDREF_DIR"); d != "" {
-		return d + string(os.PathSeparator)
-	}
-	return "../../testdata/seedref/"
-}()
-
-func loadJSON(t testing.TB, name string, v any) {
-	t.Helper()
-	b, err := os.ReadFile(seedref + name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := json.Unmarshal(b, v); err != nil {
-		t.Fatalf("%s: %v", name, err)
-	}
-}
 
 func TestDType(t *testing.T) {
 	for _, c := range []struct {
@@ -287,7 +267,7 @@ func TestTransferVectorsUseLayout(t *testing.T) {
 		Cases   []tcase `json:"cases"`
 		Raising []tcase `json:"raising_cases"`
 	}
-	loadJSON(t, "transfer_kv_cache.json", &f)
+	testkit.SeedrefJSON(t, "transfer_kv_cache.json", &f)
 	checked := 0
 	for i, c := range append(f.Cases, f.Raising...) {
 		calls := c.Expect.Calls

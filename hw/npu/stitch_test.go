@@ -11,6 +11,8 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+
+	"github.com/kvflow/kvflow/internal/tooling/testkit"
 )
 
 func putInt32s(dst []byte, v []int64) {
@@ -65,7 +67,7 @@ func TestHeadTransposeVectors(t *testing.T) {
 			After      map[string][][]int64 `json:"caches_after"`
 		} `json:"cases"`
 	}
-	loadJSON(t, "head_transpose.json", &f)
+	testkit.SeedrefJSON(t, "head_transpose.json", &f)
 	kinds := map[string]int{}
 	for i, c := range f.Cases {
 		kinds[c.Kind]++

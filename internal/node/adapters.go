@@ -2,6 +2,7 @@ package node
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"strconv"
 
@@ -49,6 +50,14 @@ func (f fetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, error)
 	m, err := f.c.GetMeta(ctx, endpoint)
 	if err != nil {
 		return job.Meta{}, err
+	}
+	// A lease shorter than any kvflow prefill may advertise would have this
+	// worker renew in a busy loop (every TTL/3) for as long as the peer's
+	// requests last: an absurd value from the peer, refused like a bad
+	// fingerprint (the request fails naming it; the metadata is not used).
+	if l := m.Ext.LeaseTTL; l > 0 && l < config.MinLeaseTTL {
+		return job.Meta{}, fmt.Errorf("sidechannel get_meta %s: kvflow.lease_ttl_ms is %d, below the %d a kvflow prefill may advertise (tracker.lease_ttl)",
+			endpoint, l.Milliseconds(), config.MinLeaseTTL.Milliseconds())
 	}
 	if f.creds != nil {
 		f.setCredential(endpoint, m)

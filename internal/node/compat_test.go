@@ -2,6 +2,7 @@ package node
 
 import (
 	"context"
+	"encoding/hex"
 	"fmt"
 	"math/rand/v2"
 	"slices"
@@ -25,6 +26,7 @@ import (
 type pair struct {
 	p, d    *Node
 	dreg    *prometheus.Registry
+	preg    *prometheus.Registry // the prefill's: what its transfer engine served
 	results chan decode.Result
 	kvPort  int
 }
@@ -37,12 +39,13 @@ func startPair(t *testing.T, tp topo, mutate func(*config.Config)) *pair {
 		if mutate != nil {
 			mutate(&pc)
 		}
-		p, err := Start(pc, Deps{})
+		preg := prometheus.NewRegistry()
+		p, err := Start(pc, Deps{Registerer: preg})
 		if err != nil {
 			t.Logf("prefill on kv_port %d: %v", kvPort, err)
 			continue
 		}
-		pr := &pair{p: p, dreg: prometheus.NewRegistry(), results: make(chan decode.Result, 16), kvPort: kvPort}
+		pr := &pair{p: p, dreg: prometheus.NewRegistry(), preg: preg, results: make(chan decode.Result, 16), kvPort: kvPort}
 		d, err := Start(baseConfig(tp, "decode", kvPort+1000), Deps{Registerer: pr.dreg, OnFinish: func(r decode.Result) { pr.results <- r }})
 		if err != nil {
 			p.Close(context.Background())
@@ -153,6 +156,9 @@ func TestCompatKvflowPeer(t *testing.T) {
 			}
 			if n := counter(t, pr.dreg, "kvflow_read_bytes_total", nil); n != 0 {
 				t.Errorf("%v bytes read", n)
+			}
+			if n := counter(t, pr.preg, "kvflow_transfer_bytes_total", map[string]string{"direction": "serve_read"}); n != 0 {
+				t.Errorf("prefill engine served %v bytes to a decode that refused it", n)
 			}
 		})
 	}
@@ -298,12 +304,23 @@ func TestCompatSeedPeer(t *testing.T) {
 				if res.Err != nil || res.Bytes == 0 {
 					t.Fatalf("matching seed peer: %v, %d bytes", res.Err, res.Bytes)
 				}
+				if n := counter(t, pr.preg, "kvflow_transfer_bytes_total", map[string]string{"direction": "serve_read"}); n == 0 {
+					t.Errorf("prefill engine served no bytes to a matching seed-format decode")
+				}
 			} else {
 				if res.Err == nil || !strings.Contains(res.Err.Error(), tc.reason) {
 					t.Fatalf("result %v, want a failure containing %q", res.Err, tc.reason)
 				}
 				if res.Bytes != 0 {
 					t.Errorf("%d bytes moved before the check", res.Bytes)
+				}
+				// Refused before any byte moves: the decode sent no read
+				// request and the prefill's engine served none.
+				if n := counter(t, pr.dreg, "kvflow_transfer_ops_total", map[string]string{"direction": "read"}); n != 0 {
+					t.Errorf("decode engine issued %v read ops against a mismatched seed peer", n)
+				}
+				if n := counter(t, pr.preg, "kvflow_transfer_bytes_total", map[string]string{"direction": "serve_read"}); n != 0 {
+					t.Errorf("prefill engine served %v bytes to a decode that refused it", n)
 				}
 			}
 			deadline := time.Now().Add(10 * time.Second)
@@ -332,6 +349,9 @@ func TestCompatBadFingerprint(t *testing.T) {
 		{"block_size str", "81a5636163686581aa626c6f636b5f73697a65a23136", "kvflow.cache.block_size"},
 		{"layers huge", "81a5636163686581a66c6179657273cf0000010000000000", "kvflow.cache.layers"},
 		{"cache nil", "81a5636163686" + "5c0", "kvflow.cache"},
+		// {"lease_ttl_ms": 1}: valid msgpack, but a lease no kvflow prefill
+		// advertises (a renew busy loop on this decode).
+		{"lease 1 ms", "81ac" + hex.EncodeToString([]byte("lease_ttl_ms")) + "01", "kvflow.lease_ttl_ms is 1, below the 50"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			meta := append(append(append([]byte(nil), head...), 0xa6), "kvflow"...)

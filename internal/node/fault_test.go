@@ -3,6 +3,7 @@ package node
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"path/filepath"
 	"strings"
@@ -125,6 +126,27 @@ func TestBadInputAndAbort(t *testing.T) {
 	}
 	if r := waitResult(t, c, 10*time.Second); r.Err == nil {
 		t.Fatal("out-of-range block pulled")
+	}
+	// A remote_host libzmq cannot connect to (a space, a NUL): that request
+	// fails naming the endpoint; the worker does not crash (it once did) and
+	// the next request is served.
+	for i, host := range []string{"a b\x00c", "bad host"} {
+		id := fmt.Sprintf("badhost-%d", i)
+		err := d.Decode.Load(context.Background(), []decode.LoadRequest{{RequestID: id, LocalBlockIDs: []int{2},
+			Params: decode.KVTransferParams{RemoteBlockIDs: []int{2}, RemoteEngineID: "P", RemoteHost: host, RemotePort: c.kvPort}}})[0]
+		if err != nil {
+			continue // refused at admission: as good
+		}
+		if r := waitResult(t, c, 20*time.Second); r.RequestID != id || r.Err == nil || !strings.Contains(r.Err.Error(), "connect tcp://") {
+			t.Fatalf("load from host %q: %+v", host, r)
+		}
+	}
+	c.prefill[0].Prefill.Send([]prefill.SendRequest{{RequestID: "after-badhost", BlockIDs: []int{2}}})
+	if err := load(t, d, "after-badhost", []int{2}, []int{2}, c.kvPort, "P"); err != nil {
+		t.Fatal(err)
+	}
+	if r := waitResult(t, c, 10*time.Second); r.RequestID != "after-badhost" || r.Err != nil {
+		t.Fatalf("request after bad hosts: %+v", r)
 	}
 	// A request held at a peer that never answers, aborted while waiting.
 	port := silentPeer(t)

@@ -18,7 +18,7 @@ import (
 	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/sidechannel"
 	"github.com/kvflow/kvflow/internal/sidechannel/wire"
-	"github.com/kvflow/kvflow/internal/verify"
+	"github.com/kvflow/kvflow/internal/tooling/verify"
 	"github.com/kvflow/kvflow/stages/notify/tracker"
 	"github.com/kvflow/kvflow/stages/plan"
 )

@@ -5,7 +5,7 @@ import (
 	"time"
 
 	"github.com/kvflow/kvflow/internal/prefill"
-	"github.com/kvflow/kvflow/internal/verify"
+	"github.com/kvflow/kvflow/internal/tooling/verify"
 	"github.com/kvflow/kvflow/stages/plan"
 )
 

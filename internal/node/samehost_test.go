@@ -19,7 +19,7 @@ import (
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/sidechannel"
-	"github.com/kvflow/kvflow/internal/verify"
+	"github.com/kvflow/kvflow/internal/tooling/verify"
 	"github.com/kvflow/kvflow/stages/plan"
 	"github.com/kvflow/kvflow/stages/read"
 )

@@ -106,6 +106,7 @@ func TestKvflowTopologiesHoldTheirHeads(t *testing.T) {
 		{name: "tp2-to-8-replicated", prefillTP: 2, decodeTP: 8, model: heads(gqa(2), 4)},
 		{name: "tp4-to-8-both-replicated", prefillTP: 4, decodeTP: 8, model: heads(gqa(1), 2)},
 		{name: "mla-tp1-to-2", prefillTP: 1, decodeTP: 2, model: mla()},
+		{name: "mla-tp1-to-4", prefillTP: 1, decodeTP: 4, model: mla()},
 		{name: "mla-tp2-to-4", prefillTP: 2, decodeTP: 4, model: mla()},
 		{name: "decode-pp2-prefill-pp1", prefillTP: 1, decodeTP: 1, decodePP: 2, model: gqa(5)},
 		{name: "decode-pp2-prefill-pp2", prefillTP: 2, decodeTP: 2, prefillPP: 2, decodePP: 2, model: decodePartition(gqa(5), "2,3")},

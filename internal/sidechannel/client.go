@@ -763,12 +763,14 @@ type conn struct {
 	dirty     bool // a wake-up was sent: never reuse
 }
 
-func newConn(zctx *Context, ep endpoint, maxReply int64, curve *Curve) (cn *conn, err error) {
-	cn = &conn{zctx: zctx}
+func newConn(zctx *Context, ep endpoint, maxReply int64, curve *Curve) (_ *conn, err error) {
+	// cn is not the named result: a `return nil, err` below must still
+	// close the sockets opened so far (it once closed a nil conn instead,
+	// and a remote_host libzmq cannot connect to crashed the process).
+	cn := &conn{zctx: zctx}
 	defer func() {
 		if err != nil {
 			cn.close()
-			cn = nil
 		}
 	}()
 	if cn.sock, err = zctx.newSocket(zmq.REQ); err != nil {

@@ -12,6 +12,26 @@
 // (the seed's _get_remote_metadata / _send_done_recv_signal) with REQ
 // sockets, pooled per peer "host:port".
 //
+// # Connections from the network (ServerOptions.Limits)
+//
+// libzmq accepts on a tcp endpoint without any bound: a connection that
+// never completes the ZMTP handshake lives ZMQ_HANDSHAKE_IVL (30 s), one
+// that completes it forever. An outsider could so use up the process's
+// descriptors, and libzmq aborts the process when an ipc:// listener (the
+// control socket) then fails to accept. A Server with Limits (the node
+// always sets them) therefore owns its public port with a Go listener
+// (front.go) that admits at most Limits.MaxConns connections,
+// MaxConnsPerPeer per IP (IPv6: per /64), none while fewer than FDReserve
+// descriptors are left (a relay costs three; bytes are copied through a
+// buffer, not spliced, which would cost four more), and cuts one that sends
+// nothing within FirstByteTimeout. Each admitted connection's bytes are
+// relayed unchanged to the ROUTER, bound on a loopback tcp port (a tcp
+// listener survives EMFILE). CURVE runs end to end through the relay; the
+// ZAP handler sees 127.0.0.1 as every peer's address (keys are checked as
+// before). Refusals: kvflow_sidechannel_connections_refused_total{reason}.
+// Established connections may idle (REQ peers pool them): an outsider can
+// still occupy the caps, as on the transfer engine's ports.
+//
 // # Wire format (see package wire for the bytes)
 //
 //	D → P  [identity] "" msgpack [bin "get_meta_msg", ""]

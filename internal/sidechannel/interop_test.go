@@ -133,7 +133,11 @@ func TestInteropSeedClient(t *testing.T) {
 		{BootEpoch: 4, BatchDone: true, Cache: fp}} {
 		md := Metadata{EngineID: "kvflow-P", TERPCPort: 15000, KVCachesBaseAddr: []uint64{0x1000_0000, 1<<64 - 2}, NumBlocks: 8, Ext: ext}
 		h := &recorder{md: md}
-		s := e.server(t, h, ServerOptions{})
+		opts := ServerOptions{}
+		if ext.BootEpoch%2 == 1 { // half of them through the front (the node's setting)
+			opts.Limits = &DefaultLimits
+		}
+		s := e.server(t, h, opts)
 		ids := []string{"req-9", "🚀", ""}
 		out, err := exec.Command(seedPython, append([]string{"testdata/seedpeer.py", "client", s.Addr()}, ids...)...).CombinedOutput()
 		if err != nil {

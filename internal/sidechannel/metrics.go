@@ -64,6 +64,7 @@ type metrics struct {
 	badMessages *prometheus.CounterVec   // reason
 	resets      *prometheus.CounterVec   // reason
 	authDenied  *prometheus.CounterVec   // reason
+	connRefused *prometheus.CounterVec   // reason (servers with Limits)
 	duration    *prometheus.HistogramVec // role, op
 	batchIDs    *prometheus.HistogramVec // role
 }
@@ -82,6 +83,10 @@ func newMetrics(reg prometheus.Registerer, openSockets func() float64) *metrics 
 		resets: f.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvflow_sidechannel_socket_resets_total",
 			Help: "Client sockets closed and replaced after a timeout, error or cancellation, by reason.",
+		}, []string{"reason"}),
+		connRefused: f.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvflow_sidechannel_connections_refused_total",
+			Help: "Connections a side-channel server with limits closed unserved, by reason (max_conns, max_conns_per_peer, fd_reserve, upstream, first_byte: nothing sent within the first-byte timeout).",
 		}, []string{"reason"}),
 		authDenied: f.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvflow_sidechannel_auth_denied_total",

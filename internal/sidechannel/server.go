@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"strings"
 	"sync"
 	"syscall"
@@ -99,6 +100,10 @@ type ServerOptions struct {
 	Curve *Curve
 	// Logger overrides the context's logger.
 	Logger *slog.Logger
+	// Limits, for a tcp endpoint, puts a front on the port that bounds
+	// the connections it takes (see Limits); nil: libzmq accepts alone,
+	// without bound.
+	Limits *Limits
 	// AuthToken (with Curve only), when set, is called for every GET_META
 	// with the requesting client's CURVE public key (32 bytes, as the ZAP
 	// handler admitted it) and its result is sent as Ext.TEAuth: the
@@ -134,6 +139,7 @@ type Server struct {
 	// ACKed without counting its DONEs twice.
 	seen seenIDs
 
+	front *front      // with ServerOptions.Limits on a tcp endpoint
 	sock  *zmq.Socket // ROUTER; owned by the loop goroutine
 	wakeR *zmq.Socket // PAIR; owned by the loop goroutine
 	wakeS *zmq.Socket // PAIR; owned by Close
@@ -230,6 +236,9 @@ func newServer(zctx *Context, opts ServerOptions, ep endpoint, h Handler, raw Ra
 			zctx.closeSocket(s.wakeR)
 			zctx.closeSocket(s.sock)
 			zctx.zapRemove(s.zap)
+			if s.front != nil {
+				s.front.close()
+			}
 		}
 	}()
 	if s.sock, err = zctx.newSocket(zmq.ROUTER); err != nil {
@@ -248,14 +257,37 @@ func newServer(zctx *Context, opts ServerOptions, ep endpoint, h Handler, raw Ra
 			return nil, fmt.Errorf("sidechannel: server: set ipv6: %w", err)
 		}
 	}
-	if err = s.sock.Bind(ep.zmq); err != nil {
-		return nil, fmt.Errorf("sidechannel: server: bind %s: %w", ep.zmq, err)
+	var ln net.Listener
+	bind := ep.zmq
+	if opts.Limits != nil && strings.HasPrefix(ep.zmq, "tcp://") {
+		// The public port is the front's; the ROUTER listens on loopback.
+		host, port, _ := net.SplitHostPort(ep.key)
+		if host == "*" {
+			host = ""
+		}
+		if ln, err = net.Listen("tcp", net.JoinHostPort(host, port)); err != nil {
+			return nil, fmt.Errorf("sidechannel: server: bind %s: %w", ep.zmq, err)
+		}
+		bind = "tcp://127.0.0.1:*"
+	}
+	if err = s.sock.Bind(bind); err != nil {
+		if ln != nil {
+			ln.Close()
+		}
+		return nil, fmt.Errorf("sidechannel: server: bind %s: %w", bind, err)
 	}
 	last, err := s.sock.GetLastEndpoint()
 	if err != nil {
+		if ln != nil {
+			ln.Close()
+		}
 		return nil, fmt.Errorf("sidechannel: server: last endpoint: %w", err)
 	}
 	s.addr = strings.TrimPrefix(last, "tcp://")
+	if ln != nil {
+		s.front = newFront(ln, s.addr, *opts.Limits, log.With("side", roleServer, "addr", ln.Addr().String()), s.m.connRefused)
+		s.addr = ln.Addr().String()
+	}
 	if s.wakeR, s.wakeS, err = zctx.newPair("server-wake"); err != nil {
 		return nil, err
 	}
@@ -318,6 +350,9 @@ func (s *Server) Close() error {
 			s.log.Error("side channel: wake-up send failed", "err", err)
 		}
 		<-s.done
+		if s.front != nil {
+			s.front.close()
+		}
 		s.zctx.closeSocket(s.wakeS)
 		s.wakeS = nil
 		s.zctx.zapRemove(s.zap)

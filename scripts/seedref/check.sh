@@ -19,4 +19,7 @@ for salt in ${*:-1 2 3}; do
 	echo "== salt $salt"
 	"$py" scripts/seedref/gen.py --seed-file "$seed" --out "$tmp/$salt" --salt "$salt"
 	KVFLOW_SEEDREF_DIR="$tmp/$salt" go test -count=1 $pkgs
+	echo "== salt $salt --vary (other block lengths, layer counts and topologies)"
+	"$py" scripts/seedref/gen.py --seed-file "$seed" --out "$tmp/$salt-vary" --salt "$salt" --vary
+	KVFLOW_SEEDREF_DIR="$tmp/$salt-vary" go test -count=1 $pkgs
 done

@@ -376,18 +376,23 @@ def case_transfer(mod, scenario, partition, engine_return, prefill_tp, prefill_p
               "local_kv_caches_base_addr": local_bases(num_layers, cpl)}
     head = {"scenario": scenario, "vllm_pp_layer_partition": partition,
             "engine_return": engine_return, "thread": thread, "req_meta": dict(req_meta)}
-    try:
-        th._transfer_kv_cache(dict(req_meta))
+    def fetched():
+        """What the seed cached from its GET_META_MSG (None: never asked)."""
         port = req_meta["remote_handshake_port"]
         eng = req_meta["remote_engine_id"]
-        fetched = None  # what the seed cached from its GET_META_MSG (None: never asked)
         if eng in th.kv_caches_base_addr and port in th.kv_caches_base_addr[eng]:
-            fetched = {"kv_caches_base_addr": th.kv_caches_base_addr[eng][port],
-                       "te_rpc_port": th.remote_te_port[eng][port]}
-        out = dict(head, remote_metadata=fetched,
+            return {"kv_caches_base_addr": th.kv_caches_base_addr[eng][port],
+                    "te_rpc_port": th.remote_te_port[eng][port]}
+        return None
+    try:
+        th._transfer_kv_cache(dict(req_meta))
+        out = dict(head, remote_metadata=fetched(),
             expect={"batch_transfer_sync_read": STATE.transfers, "cat_kv_cache": cats}), None
     except Exception as e:
-        out = None, dict(head, **exc_fields(e), batch_transfer_sync_read=STATE.transfers)
+        # remote_metadata here too, so a reader of the raising case needs no
+        # address convention to check the reads made before the raise.
+        out = None, dict(head, **exc_fields(e), remote_metadata=fetched(),
+                         batch_transfer_sync_read=STATE.transfers)
     STATE.peer = None
     set_partition(None)
     return out
@@ -738,7 +743,37 @@ def gen_kv_split(mod, rng, ids):
     return cases, raising
 
 
-def start_scenarios(rng, ids):
+def vary_scenarios(rng, sc, w, req):
+    """--vary: the scenarios above with other block lengths and layer counts
+    (kept consistent with their PP partitions), plus random GQA and MLA
+    topologies (prefill TP, decode TP, PP, KV heads), so a set differs in
+    shapes and topologies, not only in ids and block ids."""
+    def scale(bl):
+        # block_len per part: any multiple of 128 bytes (divisible by any
+        # tp_num_need_pulls up to 16), remote blocks stay inside 16 MiB.
+        return [rng.choice([128, 256, 384, 640, 1024, 1536, 2048, 3072, 4096, 6144, 8192,
+                            12288, 16384, 24576, 32768]) for _ in bl]
+    out = []
+    for name, wk, pcpe, part, er, bl, layers, reqs in sc:
+        if part is None:
+            layers = max(layers, wk["prefill_pp"]) + rng.randrange(0, 4)
+        out.append((name, wk, pcpe, part, er, scale(bl), layers, reqs))
+    for i in range(8):
+        mla = rng.random() < 0.3
+        ptp = rng.choice([1, 2, 4, 8, 16])
+        dtp = rng.choice([d for d in (1, 2, 4, 8) if d <= ptp and ptp % d == 0])
+        pp = rng.choice([1, 1, 2, 3])
+        heads = 1 if mla else rng.choice([h for h in (1, 2, 4, 8, 16, 32)])
+        layers = pp + rng.randrange(0, 6)
+        bl = scale([0, 0] if mla else [0])
+        er = rng.choice([0, 0, 0, -1])
+        reqs = [req(rng.randrange(0, 7)) for _ in range(rng.randrange(1, 3))]
+        out.append(("vary_%s_%d_p%d_d%d_pp%d_h%d" % ("mla" if mla else "gqa", i, ptp, dtp, pp, heads),
+                    w(ptp, dtp, pp, heads, mla), False, None, er, bl, layers, reqs))
+    return out
+
+
+def start_scenarios(rng, ids, vary=False):
     def w(ptp, dtp, pp, heads, mla, sparse=False, pcp=1, pcp_rank=0, dcp=1):
         return {"prefill_tp": ptp, "decode_tp": dtp, "prefill_pp": pp,
                 "num_key_value_heads": heads, "is_deepseek_mla": mla, "use_sparse": sparse,
@@ -785,6 +820,8 @@ def start_scenarios(rng, ids):
         ("pcp_point_to_point_tpn2", w(8, 4, 1, 8, False, pcp=2), True, None, 0, [4096], 2,
          [req(2, rpcp=2)]),
     ]
+    if vary:
+        sc = vary_scenarios(rng, sc, w, req)
     out = []
     for name, wk, pcpe, part, er, bl, layers, reqs in sc:
         for tr in range(wk["tp_size"]):
@@ -799,9 +836,9 @@ def start_scenarios(rng, ids):
     return out
 
 
-def gen_start_and_transfer(mod, rng, ids):
+def gen_start_and_transfer(mod, rng, ids, vary=False):
     s_cases, s_raising, t_cases, t_raising = [], [], [], []
-    for sc in start_scenarios(rng, ids):
+    for sc in start_scenarios(rng, ids, vary):
         c, raised, queued = run_start_load(mod, sc)
         (s_raising if raised else s_cases).append(c)
         w = sc["worker"]
@@ -895,6 +932,9 @@ def main():
     ap.add_argument("--seed-file", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--salt", type=int, default=1)
+    ap.add_argument("--vary", action="store_true",
+                    help="also vary start_load_kv/transfer_kv_cache shapes and topologies "
+                         "(block lengths, layer counts, random GQA/MLA TP/PP/heads)")
     a = ap.parse_args()
     with open(a.seed_file, "rb") as f:
         seed_sha = hashlib.sha256(f.read()).hexdigest()
@@ -913,7 +953,7 @@ def main():
     w("tp_num_need_pulls", c, r)
     c, r = gen_kv_split(mod, rng, ids)
     w("kv_split_metadata", c, r)
-    sc, sr, tc, tr = gen_start_and_transfer(mod, rng, ids)
+    sc, sr, tc, tr = gen_start_and_transfer(mod, rng, ids, a.vary)
     w("start_load_kv", sc, sr)
     w("transfer_kv_cache", tc, tr)
     w("task_tracker", gen_tracker(mod, rng))

@@ -3,66 +3,16 @@ package notify
 import (
 	"context"
 	"errors"
-	"slices"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/kvflow/kvflow/internal/tooling/testkit/fakes"
 	"github.com/kvflow/kvflow/stages/job"
 	"github.com/kvflow/kvflow/stages/plan"
 )
-
-type call struct {
-	endpoint, reqID string
-	batched         bool
-}
-
-// plainSender has only SendDone.
-type plainSender struct {
-	mu    sync.Mutex
-	calls []call
-	fail  map[string]bool // endpoint → error
-}
-
-func (s *plainSender) record(c call) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.calls = append(s.calls, c)
-	if s.fail[c.endpoint] {
-		return errors.New("no ACK")
-	}
-	return nil
-}
-
-func (s *plainSender) SendDone(_ context.Context, ep, id string) error {
-	return s.record(call{ep, id, false})
-}
-
-func (s *plainSender) sorted() []call {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := slices.Clone(s.calls)
-	slices.SortFunc(out, func(a, b call) int {
-		if a.endpoint < b.endpoint {
-			return -1
-		}
-		if a.endpoint > b.endpoint {
-			return 1
-		}
-		return 0
-	})
-	return out
-}
-
-// batchSender also batches.
-type batchSender struct{ plainSender }
-
-func (s *batchSender) SendDoneBatched(_ context.Context, ep, id string) error {
-	return s.record(call{ep, id, true})
-}
 
 func testJob(ports []int, batch []bool) *job.Job {
 	j := job.New(plan.Request{ID: "r1"}, time.Now())
@@ -95,12 +45,12 @@ func TestNegotiation(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			var s Sender
-			var rec *plainSender
+			var rec *fakes.Sender
 			if tc.batcher {
-				b := &batchSender{}
-				s, rec = b, &b.plainSender
+				b := &fakes.BatchSender{}
+				s, rec = b, &b.Sender
 			} else {
-				rec = &plainSender{}
+				rec = &fakes.Sender{}
 				s = rec
 			}
 			reg := prometheus.NewRegistry()
@@ -112,16 +62,16 @@ func TestNegotiation(t *testing.T) {
 			if err := st.Process(context.Background(), j); err != nil {
 				t.Fatal(err)
 			}
-			got := rec.sorted()
+			got := rec.ByEndpoint()
 			if len(got) != 3 {
 				t.Fatalf("%d DONEs, want 3", len(got))
 			}
 			nb := 0
 			for i, c := range got {
-				if c.endpoint != "10.0.0.1:"+string(rune('1'+i)) || c.reqID != "r1" || c.batched != tc.want[i] {
+				if c.Endpoint != "10.0.0.1:"+string(rune('1'+i)) || c.ID != "r1" || c.Batched != tc.want[i] {
 					t.Errorf("task %d: %+v, want batched=%v", i, c, tc.want[i])
 				}
-				if c.batched {
+				if c.Batched {
 					nb++
 				}
 			}
@@ -138,7 +88,7 @@ func TestNegotiation(t *testing.T) {
 // TestUndelivered: a batched DONE that fails is counted like a plain one,
 // and after a failed job too.
 func TestUndelivered(t *testing.T) {
-	s := &batchSender{plainSender{fail: map[string]bool{"10.0.0.1:2": true}}}
+	s := &fakes.BatchSender{Sender: fakes.Sender{Fail: map[string]bool{"10.0.0.1:2": true}}}
 	st, err := New(Config{}, Deps{Sender: s})
 	if err != nil {
 		t.Fatal(err)
@@ -154,7 +104,7 @@ func TestUndelivered(t *testing.T) {
 	if err := st.ProcessFailed(context.Background(), job.New(plan.Request{ID: "x"}, time.Now()), errors.New("bad")); err != nil {
 		t.Fatal(err)
 	}
-	if n := len(s.sorted()); n != 2 {
+	if n := len(s.Dones()); n != 2 {
 		t.Fatalf("%d DONEs, want 2", n)
 	}
 }

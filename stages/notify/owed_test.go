@@ -3,29 +3,17 @@ package notify
 import (
 	"context"
 	"slices"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/kvflow/kvflow/internal/tooling/testkit/fakes"
 	"github.com/kvflow/kvflow/pipeline"
 	"github.com/kvflow/kvflow/stages/job"
 	"github.com/kvflow/kvflow/stages/plan"
 )
-
-type recSender struct {
-	mu   sync.Mutex
-	sent []string // "endpoint id"
-}
-
-func (r *recSender) SendDone(_ context.Context, ep, id string) error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.sent = append(r.sent, ep+" "+id)
-	return nil
-}
 
 // Which requests owe DONEs at shutdown, and that Close sends them, one per
 // task, once.
@@ -40,7 +28,7 @@ func TestOwedAtShutdown(t *testing.T) {
 		}
 		return j
 	}
-	snd := &recSender{}
+	snd := &fakes.Sender{}
 	reg := prometheus.NewRegistry()
 	st, err := New(Config{}, Deps{Sender: snd, Registerer: reg})
 	if err != nil {
@@ -57,10 +45,14 @@ func TestOwedAtShutdown(t *testing.T) {
 	}
 	st.Close(context.Background())
 	st.Close(context.Background()) // owed once
-	slices.Sort(snd.sent)
+	var sent []string
+	for _, d := range snd.Dones() {
+		sent = append(sent, d.Endpoint+" "+d.ID)
+	}
+	slices.Sort(sent)
 	want := []string{"127.0.0.1:7000 canceled-in-read", "127.0.0.1:7001 canceled-in-read"}
-	if !slices.Equal(snd.sent, want) {
-		t.Fatalf("sent %q, want %q", snd.sent, want)
+	if !slices.Equal(sent, want) {
+		t.Fatalf("sent %q, want %q", sent, want)
 	}
 	if n := testutil.ToFloat64(st.m.shutdownDones.WithLabelValues("acked")); n != 2 {
 		t.Fatalf("%v shutdown DONEs acked, want 2", n)

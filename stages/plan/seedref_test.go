@@ -2,34 +2,21 @@ package plan
 
 import (
 	"encoding/hex"
-	"encoding/json"
 	"fmt"
-	"os"
 	"regexp"
 	"slices"
 	"strconv"
 	"testing"
+
+	"github.com/kvflow/kvflow/internal/tooling/testkit"
 )
 
-// seedref is the vector directory: $KVFLOW_SEEDREF_DIR (absolute) when set,
-// e.g. a set made by scripts/seedref/gen.py with another salt, else the repo copy.
-var seedref = func() string {
-	if d := os.Getenv("KVFLOW_SEEDREF_DIR"); d != "" {
-		return d + string(os.PathSeparator)
-	}
-	return "../../testdata/seedref/"
-}()
-
+// load decodes the seed vectors of family (testdata/seedref/<family>.json,
+// or $KVFLOW_SEEDREF_DIR's).
 func load[T any](t testing.TB, family string) T {
 	t.Helper()
-	b, err := os.ReadFile(seedref + family + ".json")
-	if err != nil {
-		t.Fatal(err)
-	}
 	var v T
-	if err := json.Unmarshal(b, &v); err != nil {
-		t.Fatalf("%s: %v", family, err)
-	}
+	testkit.SeedrefJSON(t, family+".json", &v)
 	return v
 }
 

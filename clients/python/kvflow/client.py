@@ -100,8 +100,8 @@ class Client:
     def __init__(self, endpoint, timeout_ms=10000, context=None):
         if not isinstance(endpoint, str) or "://" not in endpoint:
             raise ValueError("endpoint must be a ZMQ endpoint such as ipc:///path or tcp://host:port, got %r" % (endpoint,))
-        if timeout_ms <= 0:
-            raise ValueError("timeout_ms must be > 0, got %r" % (timeout_ms,))
+        if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, (int, float)) or not timeout_ms > 0:
+            raise ValueError("timeout_ms must be a number > 0, got %r" % (timeout_ms,))
         self.endpoint = endpoint
         self.timeout_ms = int(timeout_ms)
         self._ctx = context or zmq.Context.instance()
@@ -206,7 +206,11 @@ class Client:
         for r in requests:
             r = dict(r)
             if "delay_start_time" in r:
-                r["delay_start_time"] = float(r["delay_start_time"])
+                try:
+                    r["delay_start_time"] = float(r["delay_start_time"])
+                except (TypeError, ValueError):
+                    raise TypeError("delay_start_time of %r must be a number (time.time()), got %r"
+                                    % (r.get("request_id"), r["delay_start_time"])) from None
             if r.get("block_ids") is not None:
                 r["block_ids"] = _int_list(r["block_ids"], "block_ids")
             reqs.append(r)

@@ -44,6 +44,7 @@ Where kvflow differs (each is a case the seed gets wrong; tested):
    (the seed keeps pulling into blocks the engine has freed).
 """
 
+import operator
 import time
 
 __all__ = ["ReqMeta", "ConnectorMetadata", "SchedulerRules", "status_name"]
@@ -73,11 +74,35 @@ class ReqMeta:
         self.remote_dcp_size = remote_dcp_size
 
     def kv_transfer_params(self):
-        """The params as kvflow's control socket takes them."""
-        return {"remote_block_ids": [int(b) for b in self.remote_block_ids],
-                "remote_engine_id": str(self.remote_engine_id), "remote_host": str(self.remote_host),
-                "remote_port": int(self.remote_port), "remote_pcp_size": int(self.remote_pcp_size),
-                "remote_dcp_size": int(self.remote_dcp_size)}
+        """The params as kvflow's control socket takes them. Raises
+        ValueError naming the field when one has the wrong type (the
+        router's params are not checked when they are scheduled)."""
+        def whole(name, v):
+            if isinstance(v, str) and v.strip().isdigit():
+                return int(v)
+            try:
+                if isinstance(v, bool):
+                    raise TypeError
+                return operator.index(v)  # int, numpy integers
+            except TypeError:
+                raise ValueError("kv_transfer_params.%s is %r, want an int" % (name, v)) from None
+
+        def text(name, v):
+            if isinstance(v, int) and not isinstance(v, bool):
+                v = str(v)
+            if not isinstance(v, str) or not v:
+                raise ValueError("kv_transfer_params.%s is %r, want a non-empty string" % (name, v))
+            return v
+
+        if isinstance(self.remote_block_ids, (str, bytes)) or not hasattr(self.remote_block_ids, "__iter__"):
+            raise ValueError("kv_transfer_params.remote_block_ids is %r, want a list of ints"
+                             % (self.remote_block_ids,))
+        return {"remote_block_ids": [whole("remote_block_ids[%d]" % i, b) for i, b in enumerate(self.remote_block_ids)],
+                "remote_engine_id": text("remote_engine_id", self.remote_engine_id),
+                "remote_host": text("remote_host", self.remote_host),
+                "remote_port": whole("remote_port", self.remote_port),
+                "remote_pcp_size": whole("remote_pcp_size", self.remote_pcp_size),
+                "remote_dcp_size": whole("remote_dcp_size", self.remote_dcp_size)}
 
     def __repr__(self):
         return "ReqMeta(local=%r, remote=%r, %s@%s:%s)" % (self.local_block_ids, self.remote_block_ids,

@@ -124,6 +124,62 @@ class BadConfigTest(unittest.TestCase):
         self.assertEqual(list(m.requests_to_send), ["r"])
         self.assertEqual(m.send_block_ids, {"r": [3, 4]})
 
+    def test_malformed_params_fail_alone(self):
+        """kv_transfer_params from the router with a wrong type (a port that
+        is no number, block ids that are a string) fail that request alone
+        as a load error naming the field: start_load_kv does not raise, the
+        other requests of the step are still loaded."""
+        from kvflow.scheduler import SchedulerRules
+        from kvflow.vllm import KVConnectorRole, KvflowConnector, KvflowMetadata
+
+        class Blocks:
+            def __init__(self, ids):
+                self.ids = ids
+
+            def get_unhashed_block_ids(self):
+                return self.ids
+
+        class FakeClient:
+            def __init__(self):
+                self.loads = []
+
+            def load(self, reqs):
+                self.loads.append(reqs)
+                return [None] * len(reqs)
+
+            def finished(self):
+                return [], [], []
+
+        fake = types.SimpleNamespace(client=FakeClient(), alive=lambda: True, control="fake", proc=None)
+        good = {"remote_block_ids": [1, 2], "remote_engine_id": "p", "remote_host": "127.0.0.1",
+                "remote_port": 20001}
+        bad = [("port", dict(good, remote_port="zz"), "kv_transfer_params.remote_port is 'zz', want an int"),
+               ("blocks", dict(good, remote_block_ids="abc"), "remote_block_ids is 'abc', want a list of ints"),
+               ("block", dict(good, remote_block_ids=[1, 2.5]), "remote_block_ids\\[1\\] is 2.5, want an int"),
+               ("host", dict(good, remote_host=None), "remote_host is None, want a non-empty string")]
+        rules = SchedulerRules("d", "127.0.0.1", 30000, 4)
+        reqs = [("ok", good, [7, 8])] + [("bad-" + n, p, [10 + i]) for i, (n, p, _) in enumerate(bad)]
+        for rid, params, local in reqs:
+            r = types.SimpleNamespace(request_id=rid, prompt_token_ids=[0] * 8,
+                                      kv_transfer_params=dict(params, do_remote_prefill=True))
+            n, _ = rules.get_num_new_matched_tokens(r, 0)
+            rules.update_state_after_alloc(r, Blocks(local), n)
+        m = rules.build_connector_meta()
+        meta = KvflowMetadata()
+        meta.requests = m.requests
+        c = KvflowConnector(vcfg(), KVConnectorRole.WORKER)
+        c.sidecar = fake
+        c.bind_connector_metadata(meta)
+        with self.assertLogs("kvflow", "WARNING") as logs:
+            c.start_load_kv(None)
+        self.assertEqual([[r["request_id"] for r in call] for call in fake.client.loads], [["ok"]])
+        for (_, _, want) in bad:
+            self.assertTrue(any(__import__("re").search(want, line) for line in logs.output), (want, logs.output))
+        _, recving = c.get_finished(set())
+        self.assertEqual(recving, {"bad-" + n for n, _, _ in bad})
+        self.assertEqual(c.get_block_ids_with_load_errors(), {10, 11, 12, 13})
+        self.assertIn("ok", c._loading)
+
 
 class HostBufferTest(unittest.TestCase):
     """vLLM's FlashAttention layout ([2, blocks, block_size, heads,

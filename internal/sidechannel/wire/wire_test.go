@@ -20,8 +20,22 @@ import (
 	"github.com/kvflow/kvflow/hw/npu"
 )
 
-// vectorFile is the seed's captured side-channel bytes (see its description).
-var vectorFile = filepath.Join("..", "..", "..", "testdata", "seedref", "wire_bytes.json")
+// vectorFile is the seed's captured side-channel bytes (see its description):
+// $KVFLOW_SEEDREF_DIR/wire_bytes.json when that set has one (another vector
+// set; scripts/seedref/gen.py does not write this family), else the repo copy.
+var vectorFile = func() string {
+	if d := os.Getenv("KVFLOW_SEEDREF_DIR"); d != "" {
+		if p := filepath.Join(d, "wire_bytes.json"); fileExists(p) {
+			return p
+		}
+	}
+	return filepath.Join("..", "..", "..", "testdata", "seedref", "wire_bytes.json")
+}()
+
+func fileExists(p string) bool {
+	_, err := os.Stat(p)
+	return err == nil
+}
 
 type vectorCase struct {
 	Kind        string          `json:"kind"`
@@ -71,7 +85,9 @@ func unhex(t testing.TB, s string) []byte {
 // decode to what the seed did with them.
 func TestSeedVectors(t *testing.T) {
 	counts := map[string]int{}
-	for i, c := range loadVectors(t) {
+	cases := loadVectors(t)
+	dialogueMeta := seedDialogueMetadata(t, cases)
+	for i, c := range cases {
 		counts[c.Kind]++
 		t.Run(fmt.Sprintf("%03d_%s", i, c.Kind), func(t *testing.T) {
 			switch c.Kind {
@@ -121,7 +137,7 @@ func TestSeedVectors(t *testing.T) {
 					t.Fatalf("DecodeMetadata = %+v, want %+v", got, m)
 				}
 			case "send_thread_dialogue":
-				checkDialogue(t, c)
+				checkDialogue(t, c, dialogueMeta)
 			default:
 				t.Fatalf("unknown vector kind %q: extend this test", c.Kind)
 			}
@@ -134,10 +150,47 @@ func TestSeedVectors(t *testing.T) {
 	}
 }
 
+// seedDialogueMetadata is what the seed's prefill answered GET_META with in
+// the recorded dialogues, taken from the replies themselves (any vector set:
+// no engine id, port or address of the public set is assumed). Every such
+// reply must be the same metadata.
+func seedDialogueMetadata(t *testing.T, cases []vectorCase) Metadata {
+	t.Helper()
+	var m Metadata
+	have := false
+	for _, c := range cases {
+		if c.Kind != "send_thread_dialogue" {
+			continue
+		}
+		for _, rep := range c.Replies {
+			if len(rep) < 3 {
+				continue
+			}
+			b, err := hex.DecodeString(rep[len(rep)-1])
+			if err != nil {
+				continue
+			}
+			got, err := DecodeMetadata(b)
+			if err != nil {
+				continue
+			}
+			if have && !reflect.DeepEqual(got, m) {
+				t.Fatalf("%s: the seed answered GET_META with %+v and elsewhere %+v", c.Dialogue, got, m)
+			}
+			m, have = got, true
+		}
+	}
+	if !have {
+		t.Fatal("vectors: no GET_META reply in the seed's dialogues")
+	}
+	return m
+}
+
 // checkDialogue replays the seed's ROUTER frame handling on the recorded
 // frames with the pure decoder: a frame set the seed answered must decode to
-// a request whose reply bytes equal the seed's; one it rejected must fail.
-func checkDialogue(t *testing.T, c vectorCase) {
+// a request whose reply bytes equal the seed's (meta is what the dialogues'
+// prefill serves); one it rejected must fail.
+func checkDialogue(t *testing.T, c vectorCase, meta Metadata) {
 	replies := c.Replies
 	for _, frames := range c.FramesIn {
 		var payload [][]byte
@@ -152,9 +205,7 @@ func checkDialogue(t *testing.T, c vectorCase) {
 			if err == nil {
 				switch req.Kind {
 				case KindGetMeta:
-					// The dialogues' P serves this metadata.
-					reply = EncodeMetadata(Metadata{EngineID: "engine-P", TERPCPort: 15000,
-						KVCachesBaseAddr: []uint64{0x10000000}, NumBlocks: 8})
+					reply = EncodeMetadata(meta)
 				case KindDoneRecving:
 					reply = []byte(AckReply)
 				}

@@ -4,13 +4,14 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
-	"path/filepath"
 	"reflect"
 	"slices"
 	"sort"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvflow/kvflow/internal/tooling/testkit"
 )
 
 // The seed's KVCacheTaskTracker vectors (testdata/seedref/task_tracker.json)
@@ -40,15 +41,6 @@ import (
 //	          model keeps every record (as the seed keeps
 //	          record_finished_requests).
 
-// vectorsPath is under $KVFLOW_SEEDREF_DIR (absolute) when set, e.g. a set made
-// by scripts/seedref/gen.py with another salt, else the repo copy.
-var vectorsPath = func() string {
-	if d := os.Getenv("KVFLOW_SEEDREF_DIR"); d != "" {
-		return filepath.Join(d, "task_tracker.json")
-	}
-	return "../../../testdata/seedref/task_tracker.json"
-}()
-
 type vecState struct {
 	Finished []string          `json:"finished_requests"`
 	Record   []string          `json:"record_finished_requests"`
@@ -76,7 +68,7 @@ type vecFile struct {
 
 func loadVectors(t *testing.T) vecFile {
 	t.Helper()
-	b, err := os.ReadFile(vectorsPath)
+	b, err := os.ReadFile(testkit.SeedrefPath(t, "task_tracker.json"))
 	if err != nil {
 		t.Fatalf("read vectors: %v", err)
 	}
@@ -378,8 +370,13 @@ func TestSeedVectors(t *testing.T) {
 						}
 					}
 				}
-				if s.Op == "get_and_clear_finished_requests" {
+				if s.Op == "get_and_clear_finished_requests" && !slices.Contains(fired, "nt-held") {
 					// Directly: the seed's answer less what kvflow already reported.
+					// Only until nt-held fires: freeing a held request whose start a
+					// second add_delayed_request refreshed in place also frees the
+					// expired requests the seed's scan stopped at behind it, so
+					// kvflow may then report more than the seed (the model check
+					// below still decides every result exactly).
 					once := []string{}
 					for _, id := range *s.Result {
 						if reported[id] == 0 || slices.Contains(trRes, id) {

@@ -7,9 +7,10 @@ import (
 	"math/rand/v2"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"slices"
 	"testing"
+
+	"github.com/kvflow/kvflow/internal/tooling/testkit"
 )
 
 type sampleCase struct {
@@ -29,11 +30,7 @@ type sampleFile struct {
 
 func loadSamples(t testing.TB) sampleFile {
 	t.Helper()
-	path := "../../../testdata/seedref/py_random_sample.json"
-	if d := os.Getenv("KVFLOW_SEEDREF_DIR"); d != "" { // e.g. a set made by scripts/seedref/gen.py
-		path = filepath.Join(d, "py_random_sample.json")
-	}
-	b, err := os.ReadFile(path)
+	b, err := os.ReadFile(testkit.SeedrefPath(t, "py_random_sample.json"))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -434,14 +434,23 @@ class KvflowConnector(KVConnectorBase_V1):
             if meta.requests:
                 reqs, order = [], []
                 for rid, m in meta.requests.items():
+                    try:
+                        params = m.kv_transfer_params()
+                    except ValueError as e:
+                        # A malformed request from the router fails alone (its
+                        # blocks are recomputed); the others still load.
+                        log.warning("kvflow load %s refused: %s", rid, e)
+                        self._load_errors.update(m.local_block_ids)
+                        self._ready_recving.add(rid)
+                        continue
                     order.append((rid, list(m.local_block_ids)))
                     reqs.append({"request_id": rid, "local_block_ids": list(m.local_block_ids),
-                                 "kv_transfer_params": m.kv_transfer_params()})
+                                 "kv_transfer_params": params})
                 for rid, blocks in order:
                     self._loading[rid] = blocks
                 if self._dead is not None:
                     self._sidecar_failed(self._dead)
-                else:
+                elif reqs:
                     errs = self.sidecar.client.load(reqs)
                     for (rid, blocks), err in zip(order, errs):
                         if err is not None:
