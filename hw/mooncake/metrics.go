@@ -25,14 +25,11 @@ const (
 )
 
 type metrics struct {
-	bytes *prometheus.CounterVec
-	ops   *prometheus.CounterVec
-	batch *prometheus.HistogramVec
-	conns *prometheus.GaugeVec
-	// targetConns is conns{role="target"}, resolved once (updated per
-	// accepted connection).
-	targetConns prometheus.Gauge
-	rejected    *prometheus.CounterVec
+	bytes    *prometheus.CounterVec
+	ops      *prometheus.CounterVec
+	batch    *prometheus.HistogramVec
+	conns    *prometheus.GaugeVec
+	rejected *prometheus.CounterVec
 	// Connections closed at accept (by port and reason) and cut by a
 	// deadline before or between requests (by port and reason).
 	connRefused  *prometheus.CounterVec
@@ -46,6 +43,9 @@ type metrics struct {
 	writeBytes, writeOps           prometheus.Counter
 	serveReadBytes, serveReadOps   prometheus.Counter
 	serveWriteBytes, serveWriteOps prometheus.Counter
+	// conns{role="target"}, resolved once (updated per accepted
+	// connection).
+	targetConns prometheus.Gauge
 }
 
 // dir returns the bytes and ops counters of an initiated direction.
