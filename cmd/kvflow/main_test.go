@@ -22,7 +22,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/kvflow/kvflow/internal/config"
-	"github.com/kvflow/kvflow/internal/workers"
+	"github.com/kvflow/kvflow/internal/tooling/workers"
 )
 
 // The test binary doubles as the kvflow binary: the demo re-executes
