@@ -1,0 +1,27 @@
+//go:build mooncake && cgo
+
+package node
+
+import (
+	"log/slog"
+
+	"github.com/kvflow/kvflow/hw/mooncake"
+	"github.com/kvflow/kvflow/hw/mooncake/mooncakec"
+	"github.com/kvflow/kvflow/internal/config"
+)
+
+// openMooncake starts Mooncake's transfer engine through its C API
+// (node.te_backend mooncake; this file is built only with -tags mooncake).
+// Segment descriptors are exchanged peer to peer on the RPC port, so the
+// engine's session is host:te_rpc_port as with the tcp engine, and the
+// seed's metadata names it. Completion is polled with the binding's
+// bounded backoff (20 µs doubling to 1 ms), never a spin.
+func openMooncake(cfg config.Config, deps Deps, log *slog.Logger) (mooncake.Engine, error) {
+	mc := mooncakec.DefaultCgoConfig()
+	mc.Host = cfg.TEHost()
+	mc.RPCPort = cfg.Node.TEPort
+	mc.Protocol = cfg.Node.Mooncake.Protocol
+	mc.Location = cfg.Node.Mooncake.Location
+	mc.NICPriorityMatrix = cfg.Node.Mooncake.NICPriorityMatrix
+	return mooncakec.NewCgoEngine(mc, deps.Registerer, log)
+}
