@@ -105,6 +105,13 @@ func (c Config) validateBackend(v *validator) {
 	}
 	word("node.mooncake.protocol", n.Mooncake.Protocol, "a transport name (rdma, tcp, ascend, ...)")
 	word("node.mooncake.location", n.Mooncake.Location, "a location tag (cpu:0, npu:0, ...)")
+	// In P2P handshake mode Mooncake picks its RPC port (at random in the
+	// process-wide MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, 15000–17000 by
+	// default) whatever it is asked; its data port too, from the same range.
+	if n.TEPort != 0 {
+		v.add("node.te_port", "%d: Mooncake's engine picks its own RPC port (in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT of its environment, "+
+			"15000..17000 by default); set 0 (the metadata advertises the port it took)", n.TEPort)
+	}
 	if c.Role() == Prefill && c.Read.Grants == GrantsOn {
 		v.add("read.grants", "on needs node.te_backend %s: Mooncake's engine serves every registered byte to any peer "+
 			"(set off; auto falls back to off with a warning)", BackendTCP)

@@ -419,6 +419,8 @@ func TestValidate(t *testing.T) {
 			c.Node.TEBackend = BackendMooncake
 			c.Node.Mooncake = MooncakeTE{Location: "cpu 0"}
 		}, mooncakeWant("node.mooncake.protocol: missing", `node.mooncake.location: want a location tag (cpu:0, npu:0, ...) without spaces or quotes, got "cpu 0"`)},
+		{"te backend mooncake fixed te port", Decode, func(c *Config) { c.Node.TEBackend, c.Node.TEPort = BackendMooncake, 25000 },
+			mooncakeWant("node.te_port: 25000: Mooncake's engine picks its own RPC port")},
 		{"mooncake settings ignored with tcp", Decode, func(c *Config) { c.Node.Mooncake = MooncakeTE{} }, nil},
 		{"control scheme", Decode, func(c *Config) { c.Node.Control = "/tmp/x.sock" },
 			[]string{`node.control: want an ipc:// or tcp:// endpoint, got "/tmp/x.sock"`}},

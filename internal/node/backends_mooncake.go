@@ -16,6 +16,10 @@ import (
 // engine's session is host:te_rpc_port as with the tcp engine, and the
 // seed's metadata names it. Completion is polled with the binding's
 // bounded backoff (20 µs doubling to 1 ms), never a spin.
+//
+// In that mode Mooncake picks its RPC port itself (at random in
+// MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, environment read once per process;
+// 15000–17000 by default): config.Validate refuses a fixed node.te_port.
 func openMooncake(cfg config.Config, deps Deps, log *slog.Logger) (mooncake.Engine, error) {
 	mc := mooncakec.DefaultCgoConfig()
 	mc.Host = cfg.TEHost()

@@ -1,0 +1,203 @@
+//go:build mooncake && cgo
+
+package node
+
+// Tests with Mooncake's real transfer engine (node.te_backend mooncake,
+// its tcp transport) against kvflow's own tcp engine and itself, every
+// byte verified. Built only with -tags mooncake against a Mooncake build
+// (make test-mooncake); skipped when MOONCAKE_PREFIX is unset. Mooncake's
+// listeners bind every address of the host, so each test re-runs itself
+// in a fresh network namespace with only loopback up (unshare -n).
+
+import (
+	"bytes"
+	"log/slog"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvflow/kvflow/hw/mooncake/mooncakec"
+	"github.com/kvflow/kvflow/internal/config"
+	"github.com/kvflow/kvflow/stages/read"
+)
+
+// netnsEnv marks a test process already running in its own network
+// namespace.
+const netnsEnv = "KVFLOW_TEST_NETNS"
+
+// inMooncakeNetns reports whether the calling top-level test should run
+// here: true inside the private network namespace; otherwise it runs the
+// test again in one (unshare -n, loopback up), reports its outcome and
+// returns false. It skips when MOONCAKE_PREFIX is unset or a network
+// namespace cannot be made (not root).
+func inMooncakeNetns(t *testing.T) bool {
+	t.Helper()
+	if os.Getenv("MOONCAKE_PREFIX") == "" {
+		t.Skip("MOONCAKE_PREFIX unset: the tests with Mooncake's engine run where ../shared/tools/mooncake-build.sh ran (make test-mooncake)")
+	}
+	if os.Getenv(netnsEnv) == "1" {
+		return true
+	}
+	if out, err := exec.Command("unshare", "-n", "true").CombinedOutput(); err != nil {
+		t.Skipf("Mooncake's listeners bind every address, so these tests run in a private network namespace, and unshare -n failed (root needed): %v %s",
+			err, strings.TrimSpace(string(out)))
+	}
+	timeout := 5 * time.Minute
+	if d, ok := t.Deadline(); ok {
+		timeout = time.Until(d) - 5*time.Second
+	}
+	cmd := exec.Command("unshare", "-n", "sh", "-c", `ip link set lo up && exec "$@"`, "sh",
+		os.Args[0], "-test.run=^"+t.Name()+"$", "-test.count=1", "-test.v", "-test.timeout="+timeout.String())
+	cmd.Env = append(os.Environ(), netnsEnv+"=1")
+	out, err := cmd.CombinedOutput()
+	t.Logf("in a private network namespace:\n%s", out)
+	if err != nil {
+		t.Fatalf("%s in its network namespace: %v", t.Name(), err)
+	}
+	if bytes.Contains(out, []byte("--- SKIP: "+t.Name())) {
+		t.Skip("skipped in its network namespace")
+	}
+	return false
+}
+
+// TestMooncakeEndToEnd: kvflow's decode pulling through Mooncake's engine
+// from kvflow's tcp engine, the other way round, and Mooncake's engine on
+// both sides; stitched (tp_num_need_pulls > 1: the stitch kernel after a
+// Mooncake decode's reads, fused into a tcp decode's), MLA, and decode TP
+// above prefill TP (one read per row from a Mooncake prefill or by a
+// Mooncake decode). runEndToEnd checks every byte.
+func TestMooncakeEndToEnd(t *testing.T) {
+	if !inMooncakeNetns(t) {
+		return
+	}
+	mc := config.BackendMooncake
+	for _, tc := range []topo{
+		{name: "cgo-decode-from-tcp-tp1-to-1", prefillTP: 1, decodeTP: 1, model: gqa(3), decodeTE: mc},
+		{name: "cgo-decode-from-tcp-tp4-to-2", prefillTP: 4, decodeTP: 2, model: gqa(2), decodeTE: mc, prefixHit: true},
+		{name: "tcp-decode-from-cgo-tp1-to-1", prefillTP: 1, decodeTP: 1, model: gqa(3), prefillTE: mc},
+		{name: "tcp-decode-from-cgo-tp4-to-2-fused", prefillTP: 4, decodeTP: 2, model: gqa(2), prefillTE: mc},
+		{name: "tcp-decode-from-cgo-tp1-to-2", prefillTP: 1, decodeTP: 2, model: gqa(2), prefillTE: mc},
+		{name: "cgo-cgo-tp1-to-1", prefillTP: 1, decodeTP: 1, model: gqa(3), prefillTE: mc, decodeTE: mc},
+		{name: "cgo-cgo-tp2-to-1", prefillTP: 2, decodeTP: 1, model: gqa(2), prefillTE: mc, decodeTE: mc},
+		{name: "cgo-cgo-mla-tp2-to-1", prefillTP: 2, decodeTP: 1, model: mla(), prefillTE: mc, decodeTE: mc},
+		{name: "cgo-cgo-tp1-to-2", prefillTP: 1, decodeTP: 2, model: gqa(2), prefillTE: mc, decodeTE: mc},
+	} {
+		t.Run(tc.name, func(t *testing.T) { runEndToEnd(t, tc) })
+	}
+}
+
+// TestMooncakeCapabilitiesAndFallbacks: the node finds what Mooncake's
+// engine cannot do once, at start, and says so at warn: a prefill with
+// read.grants auto serves without grants, a decode reads without strided
+// rows (the stitch kernel transposes) and reconciles Mooncake's per-op
+// byte counts.
+func TestMooncakeCapabilitiesAndFallbacks(t *testing.T) {
+	if !inMooncakeNetns(t) {
+		return
+	}
+	for _, role := range []string{"prefill", "decode"} {
+		t.Run(role, func(t *testing.T) {
+			cfg := baseConfig(topo{prefillTP: 2, decodeTP: 1, model: gqa(2), prefillTE: config.BackendMooncake, decodeTE: config.BackendMooncake}, role, 21000)
+			cfg.Read.Grants = config.GrantsAuto
+			var logs logBuffer
+			n, err := Start(cfg, Deps{Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer n.Close(t.Context())
+			if _, ok := n.Engine.(*mooncakec.CgoEngine); !ok {
+				t.Fatalf("engine %T", n.Engine)
+			}
+			caps := read.Engine(n.Engine).Capabilities()
+			if caps.LocalStride || caps.Gather || !caps.Ledger || caps.Classify == nil {
+				t.Errorf("read capabilities %+v: want no strided or gathered reads, a ledger", caps)
+			}
+			if PeerBuffers(n.Engine) != nil {
+				t.Error("peer buffers from an engine that cannot list them")
+			}
+			want := map[string][]string{
+				"prefill": {"setting=read.grants", "node.limits"},
+				"decode":  {"setting=read.fused_stitch", "setting=node.te_backend", "ledger"},
+			}[role]
+			got := logs.String()
+			for _, w := range want {
+				if !strings.Contains(got, "transfer backend falls back") || !strings.Contains(got, w) {
+					t.Errorf("no warning with %q in:\n%s", w, got)
+				}
+			}
+			if strings.Contains(got, "read.grants=off") {
+				t.Errorf("the read.grants=off warning for grants the operator left on:\n%s", got)
+			}
+		})
+	}
+}
+
+// TestMooncakePrefillRestart: a prefill worker restarts between two
+// requests; a decode reading through Mooncake's engine re-fetches the
+// metadata and reads again, from a new transfer-engine port (a new
+// segment) or the same one (a tcp prefill with a fixed node.te_port: the
+// segment Mooncake cached under that name is re-fetched after the failed
+// batch). Both requests end done, byte for byte. A prefill on Mooncake's
+// engine always comes back on a new port (Mooncake picks it).
+func TestMooncakePrefillRestart(t *testing.T) {
+	if !inMooncakeNetns(t) {
+		return
+	}
+	mc := config.BackendMooncake
+	for _, tc := range []struct {
+		name       string
+		prefillTE  string
+		sameTEPort bool
+	}{
+		{"tcp-prefill-new-port", "", false},
+		{"tcp-prefill-same-port", "", true},
+		{"cgo-prefill-new-port", mc, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), prefillTE: tc.prefillTE, decodeTE: mc})
+			if r := pull(t, c, c.prefill[0], "before", []int{1, 2}, []int{3, 4}, true); r.Err != nil {
+				t.Fatalf("request before the restart: %v", r.Err)
+			}
+			checkBytes(t, c, "before", []int{1, 2}, []int{3, 4})
+			p2 := restartPrefill(t, c, 0, tc.sameTEPort)
+			r := pull(t, c, p2, "after", []int{5, 6, 7}, []int{8, 9, 10}, true)
+			if r.Err != nil {
+				t.Fatalf("request after the restart: %v", r.Err)
+			}
+			checkBytes(t, c, "after", []int{5, 6, 7}, []int{8, 9, 10})
+			reg := c.regs[c.decode[0]]
+			if n := counter(t, reg, "kvflow_read_retries_total", map[string]string{"result": "done"}); n != 1 {
+				t.Errorf("%v reads retried and done, want 1", n)
+			}
+			r = pull(t, c, p2, "next", []int{11}, []int{12}, true)
+			if r.Err != nil {
+				t.Fatalf("request after the retry: %v", r.Err)
+			}
+			checkBytes(t, c, "next", []int{11}, []int{12})
+			if n := counter(t, reg, "kvflow_read_retries_total", nil); n != 1 {
+				t.Errorf("%v retries in all, want 1", n)
+			}
+		})
+	}
+}
+
+// logBuffer is a bytes.Buffer safe for a slog handler's concurrent writes.
+type logBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *logBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *logBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
