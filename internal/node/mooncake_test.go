@@ -10,17 +10,24 @@ package node
 // in a fresh network namespace with only loopback up (unshare -n).
 
 import (
+	"bufio"
 	"bytes"
 	"log/slog"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvflow/kvflow/hw/mooncake/mooncakec"
+	"github.com/kvflow/kvflow/hw/npu"
 	"github.com/kvflow/kvflow/internal/config"
+	"github.com/kvflow/kvflow/internal/decode"
+	"github.com/kvflow/kvflow/internal/verify"
+	"github.com/kvflow/kvflow/stages/plan"
 	"github.com/kvflow/kvflow/stages/read"
 )
 
@@ -181,6 +188,167 @@ func TestMooncakePrefillRestart(t *testing.T) {
 				t.Errorf("%v retries in all, want 1", n)
 			}
 		})
+	}
+}
+
+// TestMooncakeDecodeFromSeedPrefill: a kvflow decode on Mooncake's engine
+// pulls from the seed's prefill worker side running on Mooncake's Python
+// engine (testdata/seedprefill.py: the seed's registration and side-channel
+// loop; protocol tcp). The prefill's cache is a kvflow cache file the test
+// fills and the Python process maps, so every byte is checked against the
+// pattern; each request's DONE_RECVING reaches the seed's loop.
+func TestMooncakeDecodeFromSeedPrefill(t *testing.T) {
+	if !inMooncakeNetns(t) {
+		return
+	}
+	py := os.Getenv("SEED_PYTHON")
+	if py == "" {
+		py = "/usr/bin/python3"
+	}
+	mpy := os.Getenv("MOONCAKE_PY")
+	if mpy == "" {
+		t.Skip("MOONCAKE_PY unset: the directory of Mooncake's Python module (mooncake-build.sh's python/)")
+	}
+	env := append(os.Environ(), "PYTHONPATH="+mpy)
+	check := exec.Command(py, "-c", "import zmq, msgpack, numpy, mooncake.engine")
+	check.Env = env
+	if out, err := check.CombinedOutput(); err != nil {
+		t.Skipf("the seed's prefill needs %s with python3-zmq, python3-msgpack, python3-numpy and Mooncake's module: %v %s", py, err, out)
+	}
+	tp := topo{prefillTP: 1, decodeTP: 1, model: gqa(3), decodeTE: config.BackendMooncake}
+	pcfg := baseConfig(tp, "prefill", 20000)
+	shape, err := pcfg.Shape()
+	if err != nil {
+		t.Fatal(err)
+	}
+	layout, err := npu.NewLayout(shape)
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "seed-prefill.cache")
+	cache, err := npu.CreateShm(path, layout, npu.HostOptions{NoHugePages: true, NoLock: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cache.Close()
+	type req struct {
+		id            string
+		local, remote []int
+	}
+	reqs := []req{{"seed-a", []int{1, 2, 3}, []int{7, 8, 9}}, {"seed-b", []int{4}, []int{20}}, {"seed-c", []int{10, 11}, []int{30, 2}}}
+	for _, r := range reqs {
+		verify.FillBlocks(cache, shape.NumLayers, layout.NumParts(), 0, r.remote, plan.StringToInt64Hash(r.id))
+	}
+
+	cmd := exec.Command(py, "testdata/seedprefill.py", path, "P")
+	cmd.Env = env
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stderr logBuffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	lines := make(chan string, 64)
+	exited := make(chan error, 1)
+	go func() {
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			lines <- sc.Text()
+		}
+		close(lines)
+		exited <- cmd.Wait()
+	}()
+	defer func() {
+		stdin.Close() // the peer exits when stdin closes
+		select {
+		case <-exited:
+		case <-time.After(10 * time.Second):
+			t.Errorf("seed prefill (pid %d) did not exit; killing it", cmd.Process.Pid)
+			cmd.Process.Kill()
+			<-exited
+		}
+	}()
+	next := func() string {
+		t.Helper()
+		select {
+		case l, ok := <-lines:
+			if !ok {
+				t.Fatalf("seed prefill exited; stderr:\n%s", stderr.String())
+			}
+			return l
+		case <-time.After(30 * time.Second):
+			t.Fatalf("seed prefill silent for 30 s; stderr:\n%s", stderr.String())
+		}
+		return ""
+	}
+	ready := next()
+	port, err := strconv.Atoi(strings.TrimPrefix(ready, "READY "))
+	if err != nil {
+		t.Fatalf("seed prefill said %q; stderr:\n%s", ready, stderr.String())
+	}
+
+	results := make(chan decode.Result, len(reqs))
+	d, err := Start(baseConfig(tp, "decode", 21000+port%20000), Deps{OnFinish: func(r decode.Result) { results <- r }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close(t.Context())
+	params := func(r req) plan.Request {
+		return plan.Request{ID: r.id, LocalBlockIDs: r.local, RemoteBlockIDs: r.remote, RemoteHost: "127.0.0.1",
+			RemotePort: port, RemoteEngineID: "P", RemotePCPSize: 1, RemoteDCPSize: 1}
+	}
+	for _, r := range reqs {
+		errs := d.Decode.Load(t.Context(), []decode.LoadRequest{{RequestID: r.id, LocalBlockIDs: r.local,
+			Params: decode.KVTransferParams{RemoteBlockIDs: r.remote, RemoteEngineID: "P", RemoteHost: "127.0.0.1",
+				RemotePort: port, RemotePCPSize: 1, RemoteDCPSize: 1}}})
+		if errs[0] != nil {
+			t.Fatal(errs[0])
+		}
+	}
+	for range reqs {
+		select {
+		case res := <-results:
+			if res.Err != nil {
+				t.Errorf("request %s failed: %v", res.RequestID, res.Err)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatal("requests did not finish")
+		}
+	}
+	rows := make([]int, layout.NumParts())
+	for p := range rows {
+		rows[p] = layout.BlockLen(p) / shape.BlockSize
+	}
+	for _, r := range reqs {
+		pl, err := plan.PlanRequest(d.Config.Topology(), d.Config.Self(), params(r))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if bad, err := verify.Check(d.Device, pl, rows, plan.StringToInt64Hash(r.id)); bad != 0 {
+			t.Errorf("request %s: %d bad bytes: %v", r.id, bad, err)
+		}
+	}
+	// The seed's loop got one DONE_RECVING per request.
+	dones := map[string]bool{}
+	for len(dones) < len(reqs) {
+		l := next()
+		id, ok := strings.CutPrefix(l, "DONE ")
+		if !ok {
+			t.Fatalf("seed prefill said %q", l)
+		}
+		dones[strings.Trim(id, `"`)] = true
+	}
+	for _, r := range reqs {
+		if !dones[r.id] {
+			t.Errorf("no DONE for %s (got %v)", r.id, dones)
+		}
 	}
 }
 
