@@ -54,6 +54,8 @@ func (c Config) BackendFallbacks() []Fallback {
 				"(Mooncake's C API has no gathered read)")
 		}
 		add("read (ledger)", "the bytes each op landed are Mooncake's transfer status (transferred_bytes), reconciled with what was posted")
+		add("handshake (compatibility check)", "peers without a cache fingerprint (seed, Mooncake) are not checked against their segment descriptor, "+
+			"which Mooncake's C API does not expose (counted in kvflow_handshake_peers_unchecked_total); kvflow peers are checked as with tcp")
 	}
 	if c.Auth.Mode == AuthCurve && c.Auth.DataPlane == "" {
 		add("auth.data_plane", "authenticated → open: Mooncake's transports take no kvflow credential; "+

@@ -525,11 +525,11 @@ func TestBackendFallbacks(t *testing.T) {
 			c.Auth = Auth{Mode: AuthCurve, SecretKeyFile: "/s", PublicKeyFile: "/p", DataPlane: DataPlaneOpen}
 		}, []string{"read.grants", "node.limits"}},
 		{"decode", Decode, func(c *Config) { c.Node.TEBackend = BackendMooncake },
-			[]string{"node.te_backend", "read.fused_stitch", "read (ledger)", "node.limits"}},
+			[]string{"node.te_backend", "read.fused_stitch", "read (ledger)", "handshake (compatibility check)", "node.limits"}},
 		{"decode unfused, tp above prefill", Decode, func(c *Config) {
 			c.Node.TEBackend, c.Read.FusedStitch = BackendMooncake, false
 			c.KVTransfer.KVConnectorExtraConfig.Decode.TPSize = 8
-		}, []string{"node.te_backend", "read (decode tp above prefill tp)", "read (ledger)", "node.limits"}},
+		}, []string{"node.te_backend", "read (decode tp above prefill tp)", "read (ledger)", "handshake (compatibility check)", "node.limits"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := Example(tc.role)
