@@ -42,8 +42,11 @@ func (c Config) BackendFallbacks() []Fallback {
 				"so a decode reading after an abort, a force-free or an early DONE may get reused blocks and report them done")
 		}
 	case Decode:
-		add("node.te_backend", "the decode cache is registered with Mooncake, whose transports serve reads and writes of it "+
-			"to any peer that reaches its port (the tcp engine serves a decode cache to no one)")
+		if c.Node.Mooncake.Protocol != "rdma" {
+			add("node.te_backend", "the decode cache is registered without remote access, which Mooncake's "+c.Node.Mooncake.Protocol+
+				" transport does not enforce: it serves reads and writes of it to any peer that reaches its port "+
+				"(the tcp engine and Mooncake's rdma transport serve a decode cache to no one)")
+		}
 		if c.Read.FusedStitch {
 			add("read.fused_stitch", "true → false: Mooncake's C API has no strided read, so with tp_num_need_pulls > 1 "+
 				"the stitch kernel transposes the heads after the reads, as in the seed")

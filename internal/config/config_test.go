@@ -524,10 +524,12 @@ func TestBackendFallbacks(t *testing.T) {
 			c.Node.TEBackend = BackendMooncake
 			c.Auth = Auth{Mode: AuthCurve, SecretKeyFile: "/s", PublicKeyFile: "/p", DataPlane: DataPlaneOpen}
 		}, []string{"read.grants", "node.limits"}},
-		{"decode", Decode, func(c *Config) { c.Node.TEBackend = BackendMooncake },
+		{"decode rdma", Decode, func(c *Config) { c.Node.TEBackend = BackendMooncake },
+			[]string{"read.fused_stitch", "read (ledger)", "handshake (compatibility check)", "node.limits"}},
+		{"decode tcp transport", Decode, func(c *Config) { c.Node.TEBackend, c.Node.Mooncake.Protocol = BackendMooncake, "tcp" },
 			[]string{"node.te_backend", "read.fused_stitch", "read (ledger)", "handshake (compatibility check)", "node.limits"}},
 		{"decode unfused, tp above prefill", Decode, func(c *Config) {
-			c.Node.TEBackend, c.Read.FusedStitch = BackendMooncake, false
+			c.Node.TEBackend, c.Read.FusedStitch, c.Node.Mooncake.Protocol = BackendMooncake, false, "tcp"
 			c.KVTransfer.KVConnectorExtraConfig.Decode.TPSize = 8
 		}, []string{"node.te_backend", "read (decode tp above prefill tp)", "read (ledger)", "handshake (compatibility check)", "node.limits"}},
 	} {

@@ -27,5 +27,9 @@ func openMooncake(cfg config.Config, deps Deps, log *slog.Logger) (mooncake.Engi
 	mc.Protocol = cfg.Node.Mooncake.Protocol
 	mc.Location = cfg.Node.Mooncake.Location
 	mc.NICPriorityMatrix = cfg.Node.Mooncake.NICPriorityMatrix
+	// No one reads from (or writes to) a decode cache: registered without
+	// remote access, which Mooncake's rdma transport enforces (its tcp
+	// transport does not: config.BackendFallbacks says so).
+	mc.LocalOnly = cfg.Role() == config.Decode
 	return mooncakec.NewCgoEngine(mc, deps.Registerer, log)
 }

@@ -45,6 +45,11 @@ type CgoConfig struct {
 	NICPriorityMatrix string
 	// Location tags registered memory ("cpu:0", "cuda:0", "npu:0").
 	Location string
+	// LocalOnly registers memory without remote access: with Mooncake's
+	// rdma transport peers can then neither read nor write it (no remote
+	// rights on the memory region); its tcp transport ignores the flag and
+	// serves every registered byte. A kvflow decode worker sets it.
+	LocalOnly bool
 	// PollMin and PollMax bound the sleep between completion checks: it
 	// starts at PollMin and doubles to PollMax, so waiting never spins.
 	PollMin, PollMax time.Duration
@@ -152,15 +157,20 @@ func NewCgoEngine(cfg CgoConfig, reg prometheus.Registerer, log *slog.Logger) (*
 func (e *CgoEngine) RPCPort() int      { return e.rpcPort }
 func (e *CgoEngine) SessionID() string { return e.session }
 
-// Register registers memory with Mooncake (remote accessible). The memory
-// must not be Go-managed: Mooncake keeps the pointer.
+// Register registers memory with Mooncake (remote accessible unless
+// CgoConfig.LocalOnly). The memory must not be Go-managed: Mooncake keeps
+// the pointer.
 func (e *CgoEngine) Register(addr, length uint64, name string) error {
 	if err := e.regions.Add(addr, length, name); err != nil {
 		return err
 	}
 	loc := C.CString(e.cfg.Location)
 	defer C.free(unsafe.Pointer(loc))
-	if rc := C.registerLocalMemory(e.eng, cptr(addr), C.size_t(length), loc, 1); rc != 0 {
+	remote := C.int(1)
+	if e.cfg.LocalOnly {
+		remote = 0
+	}
+	if rc := C.registerLocalMemory(e.eng, cptr(addr), C.size_t(length), loc, remote); rc != 0 {
 		if wait, err := e.regions.Remove(addr); err == nil {
 			wait()
 		}
