@@ -26,6 +26,7 @@ import (
 	"github.com/kvflow/kvflow/hw/npu"
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/decode"
+	"github.com/kvflow/kvflow/internal/sidechannel"
 	"github.com/kvflow/kvflow/internal/verify"
 	"github.com/kvflow/kvflow/stages/plan"
 	"github.com/kvflow/kvflow/stages/read"
@@ -349,6 +350,62 @@ func TestMooncakeDecodeFromSeedPrefill(t *testing.T) {
 		if !dones[r.id] {
 			t.Errorf("no DONE for %s (got %v)", r.id, dones)
 		}
+	}
+}
+
+// TestMooncakeCurveSideChannel: with auth.mode curve (auth.data_plane left
+// empty) a prefill on Mooncake's engine keeps its side channel CURVE-
+// authenticated and serves its data port open (the fallback), so a kvflow
+// decode with the keys, on the tcp engine or Mooncake's, reads byte for
+// byte; a decode without the prefill's key gets no metadata.
+func TestMooncakeCurveSideChannel(t *testing.T) {
+	if !inMooncakeNetns(t) {
+		return
+	}
+	dir := t.TempDir()
+	keys := func(name string) (sec, pub string) {
+		sec, pub = filepath.Join(dir, name+".key"), filepath.Join(dir, name+".pub")
+		if _, err := os.Stat(sec); err == nil {
+			return sec, pub
+		}
+		if _, err := sidechannel.WriteKeyPair(sec, pub); err != nil {
+			t.Fatal(err)
+		}
+		return sec, pub
+	}
+	pSec, pPub := keys("prefill")
+	dSec, dPub := keys("decode")
+	_, otherPub := keys("other")
+	for _, tc := range []struct {
+		name, decodeTE, serverKey string
+		ok                        bool
+	}{
+		{"tcp-decode", "", pPub, true},
+		{"cgo-decode", config.BackendMooncake, pPub, true},
+		{"cgo-decode-wrong-server-key", config.BackendMooncake, otherPub, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), prefillTE: config.BackendMooncake, decodeTE: tc.decodeTE,
+				mutate: func(role string, cfg *config.Config) {
+					if role == "prefill" {
+						cfg.Auth = config.Auth{Mode: config.AuthCurve, SecretKeyFile: pSec, PublicKeyFile: pPub}
+					} else {
+						cfg.Auth = config.Auth{Mode: config.AuthCurve, SecretKeyFile: dSec, PublicKeyFile: dPub, ServerPublicKeyFile: tc.serverKey}
+					}
+				}})
+			r := pull(t, c, c.prefill[0], "curve", []int{1, 2}, []int{3, 4}, true)
+			if !tc.ok {
+				if r.Err == nil {
+					t.Fatal("a decode with the wrong server key read from a curve prefill")
+				}
+				t.Logf("refused: %v", r.Err)
+				return
+			}
+			if r.Err != nil {
+				t.Fatal(r.Err)
+			}
+			checkBytes(t, c, "curve", []int{1, 2}, []int{3, 4})
+		})
 	}
 }
 

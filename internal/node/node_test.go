@@ -31,6 +31,8 @@ type topo struct {
 	// prefillTE and decodeTE are each instance's node.te_backend ("":
 	// tcp); Mooncake's engines run its tcp transport (loopback tests).
 	prefillTE, decodeTE string
+	// mutate, when set, changes each worker's config last.
+	mutate func(role string, c *config.Config)
 }
 
 func gqa(layers int) config.Model {
@@ -95,6 +97,9 @@ func baseConfig(tp topo, role string, kvPort int) config.Config {
 		if te == config.BackendMooncake && role == "prefill" {
 			c.Read.Grants = config.GrantsOff // Mooncake has none (on is refused)
 		}
+	}
+	if tp.mutate != nil {
+		tp.mutate(role, &c)
 	}
 	return c
 }
