@@ -53,6 +53,9 @@ func inMooncakeNetns(t *testing.T) bool {
 		t.Skipf("Mooncake's listeners bind every address, so these tests run in a private network namespace, and unshare -n failed (root needed): %v %s",
 			err, strings.TrimSpace(string(out)))
 	}
+	if _, err := exec.LookPath("ip"); err != nil {
+		t.Skipf("bringing loopback up in the test's network namespace needs ip(8) (iproute2): %v", err)
+	}
 	timeout := 5 * time.Minute
 	if d, ok := t.Deadline(); ok {
 		timeout = time.Until(d) - 5*time.Second
