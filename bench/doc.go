@@ -13,6 +13,9 @@
 //   - BenchmarkRead: TCPEngine.BatchRead of a 16-block Llama-3-8B-like
 //     request on loopback vs a raw Go TCP copy loop of the same pieces;
 //   - BenchmarkStitch: npu.Host.Stitch vs copy() of the same bytes;
+//   - BenchmarkSameHost: node.te_backend shm's read (hw/shm.Reader) vs a
+//     plain copy() of the same bytes between the same two mappings and vs
+//     TCPEngine.BatchRead on loopback;
 //   - BenchmarkNotify: DONE_RECVING/ACK round trips vs bare REQ/REP;
 //   - BenchmarkE2E: the `kvflow bench e2e` presets (internal/cli/benche2e),
 //     kvflow's pipeline vs the serial baseline on the same workers;

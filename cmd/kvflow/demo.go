@@ -38,6 +38,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	timeout := fs.Duration("timeout", 2*time.Minute, "fail if the demo takes longer")
 	workdir := fs.String("workdir", "", "keep configs, logs and sockets here (default: a temp dir, removed)")
 	logLevel := fs.String("worker-log-level", "info", "log level of the worker processes (logs in the work dir)")
+	teBackend := fs.String("te-backend", "", "every worker's node.te_backend: tcp (default) or shm (same-host reads from the mapped prefill cache files; the demo then also checks no batch went over the network)")
 	if err := parseFlags(fs, args, stdout); err != nil {
 		return err
 	}
@@ -69,7 +70,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	s, err := demo.Run(ctx, demo.Options{
 		Exe: exe, Requests: *requests, MinBlocks: *minBlocks, MaxBlocks: *maxBlocks,
 		PrefillTP: *prefillTP, DecodeTP: *decodeTP, Model: m, Seed: *seed, Timeout: *timeout,
-		Workdir: *workdir, Progress: progress, Out: stdout, LogLevel: *logLevel,
+		Workdir: *workdir, Progress: progress, Out: stdout, LogLevel: *logLevel, TEBackend: *teBackend,
 	})
 	if s != nil {
 		printSummary(stdout, s)
@@ -104,6 +105,10 @@ func printSummary(w io.Writer, s *demo.Summary) {
 		q(0.5), q(0.99))
 	fmt.Fprintf(tw, "worker latency\tp50 %s  p99 %s (decode workers' kvflow_decode_request_duration_seconds: load to end, no driver time)\n",
 		secs(s.WorkerP50), secs(s.WorkerP99))
+	if s.ShmBatches+s.NetBatches > 0 {
+		fmt.Fprintf(tw, "te_backend shm\t%.0f read batches copied from mapped same-host cache files, %.0f over the network, %.0f claims that did not hold\n",
+			s.ShmBatches, s.NetBatches, s.ShmFallbacks)
+	}
 	tw.Flush()
 	if len(s.Stages) > 0 {
 		fmt.Fprintln(w, "\nper-stage latency (decode workers' kvflow_stage_duration_seconds):")

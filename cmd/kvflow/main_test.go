@@ -118,6 +118,22 @@ func TestDemoSmall(t *testing.T) {
 	}
 }
 
+// The small demo with node.te_backend shm (issue 21): every byte matched,
+// every read batch copied from the mapped prefill cache files.
+func TestDemoSmallShm(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short")
+	}
+	code, out, errOut := runCmd("demo", "--te-backend", "shm", "--requests", "12", "--max-blocks", "4", "--layers", "4", "--num-blocks", "16",
+		"--block-size", "16", "--timeout", "90s")
+	if code != exitOK || !strings.Contains(out, "OK: every request done, every byte matched") {
+		t.Fatalf("demo exit %d\n%s\n%s", code, out, errOut)
+	}
+	if !regexp.MustCompile(`(?m)^te_backend shm +[1-9]\d* read batches copied from mapped same-host cache files, 0 over the network, 0 claims`).MatchString(out) {
+		t.Errorf("demo summary lacks the shm line:\n%s", out)
+	}
+}
+
 // SIGTERM to a serving worker under load: intake stops, the drain deadline
 // passes, the requests still in flight end as failed and are collected
 // through the control socket, and the process exits 0.

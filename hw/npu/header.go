@@ -161,3 +161,28 @@ func decodeHeader(path string, b []byte, fileSize int64) (header, Layout, error)
 	}
 	return h, l, nil
 }
+
+// HeaderSize is the length of a cache file's header (the bytes its
+// checksum covers plus the checksum), the bytes FileHeader.Raw holds.
+const HeaderSize = headerSize
+
+// FileHeader is what a cache file's header says, for a reader that maps
+// the file itself (hw/shm): the layout, where the caches start, the
+// file's size and the header's bytes as stored.
+type FileHeader struct {
+	Layout     Layout
+	DataOffset int64
+	FileSize   int64
+	Raw        []byte // HeaderSize bytes
+}
+
+// ParseFileHeader checks b, the first bytes of the cache file at path (for
+// error messages only) whose size is fileSize, as OpenShm does, and
+// returns what it describes. Errors wrap ErrBadFile.
+func ParseFileHeader(path string, b []byte, fileSize int64) (FileHeader, error) {
+	h, l, err := decodeHeader(path, b, fileSize)
+	if err != nil {
+		return FileHeader{}, err
+	}
+	return FileHeader{Layout: l, DataOffset: int64(h.dataOffset), FileSize: int64(h.fileSize), Raw: append([]byte(nil), b[:headerSize]...)}, nil
+}

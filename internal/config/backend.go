@@ -92,9 +92,14 @@ func (c Config) validateBackend(v *validator) {
 	switch n.TEBackend {
 	case BackendTCP:
 		return
+	case BackendShm:
+		if c.Role() == Prefill && c.Cache.Mode == CacheAnonymous {
+			v.add("node.te_backend", "shm on a prefill worker needs its cache in a file (cache.mode shm or shm_attach), not %s memory", CacheAnonymous)
+		}
+		return
 	case BackendMooncake:
 	default:
-		v.add("node.te_backend", "must be %s or %s, got %q", BackendTCP, BackendMooncake, n.TEBackend)
+		v.add("node.te_backend", "must be %s, %s or %s, got %q", BackendTCP, BackendShm, BackendMooncake, n.TEBackend)
 		return
 	}
 	if !MooncakeBuilt {

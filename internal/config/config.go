@@ -178,6 +178,13 @@ const (
 	// Validate rejects it (ErrMooncakeNotBuilt). What it lacks next to
 	// the tcp engine the node does without, visibly (BackendFallbacks).
 	BackendMooncake = "mooncake"
+	// BackendShm is the TCP engine plus same-host reads without the
+	// network (hw/shm), negotiated per peer: a prefill worker publishes
+	// its cache file and a grant table in its metadata ("same_host"); a
+	// decode worker maps the file of a peer on its host and copies from
+	// it, and reads every other peer, or one whose claim does not hold,
+	// over TCP (kvflow_shm_fallbacks_total, a warning).
+	BackendShm = "shm"
 )
 
 // MooncakeTE configures Mooncake's transfer engine (node.te_backend
@@ -200,9 +207,10 @@ type Node struct {
 	// the worker's IP, get_ip()); prefill peers are dialed at the host the
 	// scheduler advertises, so in a deployment set the worker's IP.
 	SideChannelHost string `json:"side_channel_host"`
-	// TEBackend is the transfer engine: tcp (kvflow's own, default) or
-	// mooncake (Mooncake's engine through its C API; a binary built with
-	// -tags mooncake, see BackendMooncake).
+	// TEBackend is the transfer engine: tcp (kvflow's own, default), shm
+	// (tcp plus same-host reads by mapping the peer's cache file,
+	// BackendShm) or mooncake (Mooncake's engine through its C API; a
+	// binary built with -tags mooncake, see BackendMooncake).
 	TEBackend string `json:"te_backend"`
 	// Mooncake configures the mooncake backend (ignored with tcp).
 	Mooncake MooncakeTE `json:"mooncake"`

@@ -398,7 +398,9 @@ func TestValidate(t *testing.T) {
 		{"te port", Decode, func(c *Config) { c.Node.TEPort = -1 }, []string{"node.te_port: must be in 0..65535"}},
 		{"te port clashes with handshake", Decode, func(c *Config) { c.Node.TEPort = 20101 },
 			[]string{"node.te_port: 20101 is this worker's side-channel handshake port"}},
-		{"te backend", Decode, func(c *Config) { c.Node.TEBackend = "rdma" }, []string{`node.te_backend: must be tcp or mooncake, got "rdma"`}},
+		{"te backend", Decode, func(c *Config) { c.Node.TEBackend = "rdma" }, []string{`node.te_backend: must be tcp, shm or mooncake, got "rdma"`}},
+		{"te backend shm on anonymous prefill memory", Prefill, func(c *Config) { c.Node.TEBackend = BackendShm; c.Cache.Mode = CacheAnonymous },
+			[]string{`node.te_backend: shm on a prefill worker needs its cache in a file`}},
 		// mooncake runs only in a binary built with -tags mooncake; what
 		// it cannot do is refused when asked for explicitly.
 		{"te backend mooncake", Decode, func(c *Config) { c.Node.TEBackend = BackendMooncake }, mooncakeWant()},

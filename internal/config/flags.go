@@ -63,7 +63,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 
 	n := &c.Node
 	fs.StringVar(&n.SideChannelHost, "side-channel-host", n.SideChannelHost, "side channel bind address, the worker's IP (node.side_channel_host)")
-	fs.StringVar(&n.TEBackend, "te-backend", n.TEBackend, "transfer engine: tcp, or mooncake (Mooncake's engine; a binary built with -tags mooncake) (node.te_backend)")
+	fs.StringVar(&n.TEBackend, "te-backend", n.TEBackend, "transfer engine: tcp, shm (tcp plus same-host reads by mapping the peer's cache file, negotiated per peer), or mooncake (Mooncake's engine; a binary built with -tags mooncake) (node.te_backend)")
 	fs.StringVar(&n.Mooncake.Protocol, "mooncake-protocol", n.Mooncake.Protocol, "te_backend mooncake: the transport, rdma|tcp|ascend|... (node.mooncake.protocol)")
 	fs.StringVar(&n.Mooncake.Location, "mooncake-location", n.Mooncake.Location, "te_backend mooncake: the registered memory's location tag (node.mooncake.location)")
 	fs.StringVar(&n.Mooncake.NICPriorityMatrix, "mooncake-nic-priority-matrix", n.Mooncake.NICPriorityMatrix, "te_backend mooncake, rdma: JSON NIC priority matrix; empty = discover (node.mooncake.nic_priority_matrix)")

@@ -31,6 +31,10 @@ type Options struct {
 	Progress  io.Writer
 	Out       io.Writer
 	LogLevel  string
+	// TEBackend is every worker's node.te_backend ("" = the default, tcp).
+	// With shm the demo also fails unless the decode workers read over
+	// shared memory and never fell back to the network.
+	TEBackend string
 }
 
 // Presets of model shapes.
@@ -116,6 +120,9 @@ func (d *driver) workerConfig(role config.Role, rank, kvPort int) config.Config 
 	c.Cache = config.Cache{Mode: config.CacheShm, Path: filepath.Join(d.shm, name+".kv"), NoHugePages: true}
 	c.Node.Control = "ipc://" + filepath.Join(d.dir, name+".sock")
 	c.Node.MetricsAddr = "127.0.0.1:0"
+	if d.o.TEBackend != "" {
+		c.Node.TEBackend = d.o.TEBackend
+	}
 	c.Log = config.Log{Level: d.o.LogLevel, Format: "json"}
 	c.Shutdown.DrainTimeout = config.Duration(10 * time.Second)
 	return c

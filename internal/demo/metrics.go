@@ -27,6 +27,16 @@ func (d *driver) workerMetrics(ctx context.Context, s *Summary) {
 		for _, mf := range mfs {
 			for _, m := range mf.GetMetric() {
 				switch mf.GetName() {
+				case "kvflow_shm_batches_total":
+					if label(m, "path") == "shm" {
+						s.ShmBatches += m.GetCounter().GetValue()
+					} else {
+						s.NetBatches += m.GetCounter().GetValue()
+					}
+				case "kvflow_shm_fallbacks_total":
+					if label(m, "reason") != "other_host" {
+						s.ShmFallbacks += m.GetCounter().GetValue()
+					}
 				case "kvflow_read_bytes_total":
 					s.ReadBytes += m.GetCounter().GetValue()
 				case stagehist.Metric:

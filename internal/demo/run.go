@@ -11,6 +11,7 @@ import (
 
 	"github.com/schollz/progressbar/v3"
 
+	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/verify"
 	"github.com/kvflow/kvflow/stages/plan"
@@ -54,8 +55,13 @@ type Summary struct {
 	// (kvflow_stage_duration_seconds{stage="read"} _sum): their ratio is
 	// the transfer rate of one request while it reads.
 	ReadBytes, ReadSeconds float64
-	Stages                 []StageLatency
-	Failures               []string
+	// ShmBatches and NetBatches are the decode workers' read batches by
+	// path with node.te_backend shm (kvflow_shm_batches_total), and
+	// ShmFallbacks the peers whose same-host claim did not hold
+	// (kvflow_shm_fallbacks_total); all 0 with tcp.
+	ShmBatches, NetBatches, ShmFallbacks float64
+	Stages                               []StageLatency
+	Failures                             []string
 }
 
 // StageLatency is one stage's p50/p99 from the decode workers' histograms.
@@ -67,7 +73,7 @@ type StageLatency struct {
 
 // OK is whether the run passed.
 func (s *Summary) OK() bool {
-	return s.Done == s.Requests && s.Failed == 0 && s.BadBytes == 0
+	return s.Done == s.Requests && s.Failed == 0 && s.BadBytes == 0 && len(s.Failures) == 0
 }
 
 type pool struct{ free []int }
@@ -273,6 +279,10 @@ func (d *driver) run(ctx context.Context) (*Summary, error) {
 	// Wait for the prefill side to free what is left (not needed for the
 	// verdict, but the demo shows frees too).
 	d.workerMetrics(ctx, s)
+	if d.o.TEBackend == config.BackendShm && (s.ShmBatches == 0 || s.NetBatches > 0 || s.ShmFallbacks > 0) {
+		s.Failures = append(s.Failures, fmt.Sprintf("te_backend shm: %.0f batches over shared memory, %.0f over the network, %.0f fallbacks: want every batch over shared memory",
+			s.ShmBatches, s.NetBatches, s.ShmFallbacks))
+	}
 	if !s.OK() {
 		return s, errors.New("demo: verification failed")
 	}

@@ -37,6 +37,7 @@ func FetcherWithCredentials(c *sidechannel.Client, e mooncake.PeerAuthenticator)
 type fetcher struct {
 	c     *sidechannel.Client
 	creds credentialSetter
+	sh    *sameHost // node.te_backend shm: takes each reply's same-host claim
 }
 
 // credentialSetter is the TCP engine's side of data-plane authentication.
@@ -51,6 +52,9 @@ func (f fetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, error)
 	}
 	if f.creds != nil {
 		f.setCredential(endpoint, m)
+	}
+	if f.sh != nil {
+		f.sh.offer(endpoint, m)
 	}
 	return job.Meta{EngineID: m.EngineID, TERPCPort: m.TERPCPort, BaseAddrs: m.KVCachesBaseAddr,
 		NumBlocks: m.NumBlocks, BootEpoch: m.Ext.BootEpoch, LeaseTTL: m.Ext.LeaseTTL, BatchDone: m.Ext.BatchDone, Cache: m.Ext.Cache}, nil

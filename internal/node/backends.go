@@ -53,7 +53,7 @@ func openEngine(cfg config.Config, deps Deps, log *slog.Logger) (mooncake.Engine
 		log.Warn("transfer backend falls back", "te_backend", cfg.Node.TEBackend, "setting", f.Key, "instead", f.Note)
 	}
 	switch cfg.Node.TEBackend {
-	case "", config.BackendTCP:
+	case "", config.BackendTCP, config.BackendShm: // shm: TCP for every peer whose same-host claim does not hold
 	case config.BackendMooncake:
 		// backends_mooncake.go with -tags mooncake; a refusal without.
 		return openMooncake(cfg, deps, log)

@@ -14,7 +14,12 @@
 // logged at warn there (config.BackendFallbacks). Adding a transfer backend: its package (implementing
 // mooncake.Engine and the optional interfaces it can), a case in
 // openEngine, and the name in internal/config's node.te_backend
-// validation. Adding a memory backend: its npu.Device implementation, a
+// validation. node.te_backend shm is the TCP engine plus same-host reads
+// (samehost.go): a prefill keeps hw/shm's grant table beside the engine's
+// grants and publishes its claim in the metadata; a decode's transfer is
+// sameHost, which every GET_META reply passes through (fetcher), reading
+// the peers whose claim holds from their mapped cache files and all others
+// over TCP. Adding a memory backend: its npu.Device implementation, a
 // case in openDevice, and the name in internal/config's cache.mode.
 //
 // Start either returns a running node or releases everything it opened;

@@ -50,10 +50,14 @@ func outsiderDone(t *testing.T, p *Node, id string) {
 // them for another request. The decode must then fail the request — with
 // read grants off (the old default) it read the other request's bytes and
 // reported done.
+//
+// With node.te_backend shm the decode reads the mapped cache file, and the
+// grant table refuses the freed blocks the same way.
 func TestOutsiderDoneNeverWrongBytes(t *testing.T) {
-	for _, early := range []bool{false, true} {
-		t.Run(fmt.Sprintf("done-before-send=%v", early), func(t *testing.T) {
-			c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2)}) // read.grants: the default
+	for _, tc := range []struct{ early, shm bool }{{false, false}, {true, false}, {false, true}, {true, true}} {
+		early := tc.early
+		t.Run(fmt.Sprintf("done-before-send=%v/shm=%v", early, tc.shm), func(t *testing.T) {
+			c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), shm: tc.shm}) // read.grants: the default
 			p := c.prefill[0]
 			blocks := []int{3, 4}
 			fill := func(tag uint64) {
@@ -92,6 +96,11 @@ func TestOutsiderDoneNeverWrongBytes(t *testing.T) {
 				t.Fatal("the decode read blocks freed by a forged DONE and reused, and reported them done")
 			}
 			t.Logf("failed, as it should: %v", r.Err)
+			if tc.shm {
+				if n := counter(t, c.regs[c.decode[0]], "kvflow_shm_batches_total", map[string]string{"path": "shm"}); n == 0 {
+					t.Error("the refused read did not go over shared memory")
+				}
+			}
 		})
 	}
 }

@@ -149,12 +149,18 @@ func (n *Node) startDecode(log *slog.Logger, layout npu.Layout) error {
 	if a, ok := n.Engine.(mooncake.PeerAuthenticator); ok {
 		fetch.creds = a
 	}
+	transfer := read.Engine(n.Engine)
+	if cfg.Node.TEBackend == config.BackendShm {
+		sh := newSameHost(transfer, n.Device, n.deps.Registerer, log)
+		n.closers = append(n.closers, func(context.Context) error { return sh.Close() })
+		fetch.sh, transfer = sh, sh
+	}
 	w, err := decode.New(decode.Options{
 		Topology:         cfg.Topology(),
 		Self:             cfg.Self(),
 		LocalEngineID:    cfg.KVTransfer.EngineID,
 		Fetcher:          fetch,
-		Transfer:         read.Engine(n.Engine),
+		Transfer:         transfer,
 		Kernel:           n.Device,
 		Sender:           nc,
 		Renewer:          nc,
@@ -224,6 +230,13 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 		}
 		grants = engineGrants{e: g, d: n.Device}
 	}
+	var claim *sidechannel.SameHost
+	if cfg.Node.TEBackend == config.BackendShm {
+		var err error
+		if grants, claim, err = n.openGrantTable(grants, log); err != nil {
+			return err
+		}
+	}
 	w, err := prefill.New(prefill.Options{
 		Topology:     cfg.Topology(),
 		Self:         cfg.Self(),
@@ -241,7 +254,7 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 			NumBlocks:        n.Shape.NumBlocks,
 			// The cache fingerprint lets kvflow decode workers refuse a
 			// cache shaped other than theirs before reading it.
-			Ext: sidechannel.Ext{BootEpoch: epoch, Cache: &fp},
+			Ext: sidechannel.Ext{BootEpoch: epoch, Cache: &fp, SameHost: claim},
 		},
 	})
 	if err != nil {

@@ -28,6 +28,11 @@ type topo struct {
 	grants               bool
 	plainDone            bool // prefill: tracker.batch_done off
 	unfused              bool // decode: read.fused_stitch off (the stitch kernel transposes)
+	// shm: node.te_backend shm everywhere, caches in files (issue 21);
+	// shmMismatch: every prefill cache path then names another file
+	// (same header and size, other inode) before any request, so every
+	// decode must fall back to TCP.
+	shm, shmMismatch bool
 	// prefillTE and decodeTE are each instance's node.te_backend ("":
 	// tcp); Mooncake's engines run its tcp transport (loopback tests).
 	prefillTE, decodeTE string
@@ -135,6 +140,7 @@ func tryCluster(t *testing.T, tp topo, kvPort int) (*cluster, error) {
 			cfg := baseConfig(tp, "prefill", kvPort)
 			cfg.Rank = config.Rank{TP: r, PP: p}
 			cfg.Tracker.BatchDone = !tp.plainDone
+			shmConfig(t, tp, &cfg)
 			reg := prometheus.NewRegistry()
 			n, err := Start(cfg, Deps{Registerer: reg})
 			if err != nil {
@@ -149,6 +155,7 @@ func tryCluster(t *testing.T, tp topo, kvPort int) (*cluster, error) {
 		for r := range tp.decodeTP {
 			cfg := baseConfig(tp, "decode", kvPort+1000)
 			cfg.Rank = config.Rank{TP: r, PP: p}
+			shmConfig(t, tp, &cfg)
 			reg := prometheus.NewRegistry()
 			n, err := Start(cfg, Deps{Registerer: reg, OnFinish: func(res decode.Result) { c.results <- res }})
 			if err != nil {
@@ -222,6 +229,15 @@ func TestEndToEnd(t *testing.T) {
 		{name: "kvflow-decode-pp2-prefill-pp1", prefillTP: 1, decodeTP: 1, decodePP: 2, model: gqa(5)},
 		{name: "kvflow-decode-pp2-prefill-pp2", prefillTP: 2, decodeTP: 1, prefillPP: 2, decodePP: 2, model: decodePartition(gqa(5), "2,3")},
 		{name: "kvflow-decode-pp2-tp1-to-2", prefillTP: 1, decodeTP: 2, decodePP: 2, model: gqa(4)},
+		// node.te_backend shm (issue 21): same-host reads from the mapped
+		// prefill cache files, fused transpose, unfused, head slices
+		// (gather), MLA, strict grants; and a claim that does not hold.
+		{name: "shm-tp1-to-1", prefillTP: 1, decodeTP: 1, model: gqa(4), shm: true},
+		{name: "shm-tp4-to-2-stitch", prefillTP: 4, decodeTP: 2, model: gqa(4), shm: true, grants: true},
+		{name: "shm-tp4-to-2-unfused", prefillTP: 4, decodeTP: 2, model: gqa(4), unfused: true, shm: true},
+		{name: "shm-kvflow-tp1-to-2", prefillTP: 1, decodeTP: 2, model: gqa(3), shm: true, prefixHit: true},
+		{name: "shm-mla-tp2-to-1", prefillTP: 2, decodeTP: 1, model: mla(), shm: true},
+		{name: "shm-mismatch-falls-back", prefillTP: 2, decodeTP: 1, model: gqa(3), shm: true, shmMismatch: true},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) { runEndToEnd(t, tc) })
@@ -235,6 +251,9 @@ func TestEndToEnd(t *testing.T) {
 func runEndToEnd(t *testing.T, tc topo) {
 	t.Helper()
 	c := startCluster(t, tc)
+	if tc.shmMismatch {
+		replaceCacheFiles(t, c)
+	}
 	const nreq = 6
 	rng := rand.New(rand.NewPCG(uint64(len(tc.name)), 7))
 	type reqInfo struct {
@@ -311,17 +330,19 @@ func runEndToEnd(t *testing.T, tc topo) {
 			}
 		}
 	}
-	// P > 1: the transpose ran fused into the reads, or (unfused,
-	// or an engine without strided reads: Mooncake's) in the
-	// stitch stage.
+	// P > 1: the transpose ran fused into the reads, or (unfused)
+	// in the stitch stage.
 	if p := c.decode[0].Config.Topology().NeedPulls(); p > 1 {
-		unfused := tc.unfused || tc.decodeTE == config.BackendMooncake
+		unfused := tc.unfused || tc.decodeTE == config.BackendMooncake // Mooncake: no strided reads
 		for _, d := range c.decode {
 			fused := counter(t, c.regs[d], "kvflow_read_fused_stitch_jobs_total", nil)
 			if want := float64(nreq); unfused && fused != 0 || !unfused && fused != want {
 				t.Errorf("decode rank %d: %v jobs read fused, want %v (unfused %v)", d.Config.Rank.TP, fused, want, unfused)
 			}
 		}
+	}
+	if tc.shm {
+		checkSameHostPath(t, c, tc.shmMismatch)
 	}
 	// Every prefill request is freed exactly once, on every rank.
 	freed := map[string]int{}

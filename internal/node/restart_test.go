@@ -112,15 +112,21 @@ func checkBytes(t *testing.T, c *cluster, id string, local, remote []int) {
 // kept their connections to the old process and the retry failed too.
 func TestPrefillRestartBetweenRequests(t *testing.T) {
 	for _, tc := range []struct {
-		name               string
-		grants, sameTEPort bool
+		name                    string
+		grants, sameTEPort, shm bool
 	}{
-		{"grants-off", false, false},
-		{"grants-on", true, false},
-		{"same-te-port", false, true},
+		{"grants-off", false, false, false},
+		{"grants-on", true, false, false},
+		{"same-te-port", false, true, false},
+		// te_backend shm: the restarted prefill takes its cache file and
+		// grant table over in place (same inodes, a new epoch); the
+		// decode's read through the old claim fails (owner gone), the
+		// re-fetch brings the new claim, the retry reads over shm.
+		{"shm", false, false, true},
+		{"shm-grants-on", true, false, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), grants: tc.grants})
+			c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), grants: tc.grants, shm: tc.shm})
 			if r := pull(t, c, c.prefill[0], "before", []int{1, 2}, []int{3, 4}, true); r.Err != nil {
 				t.Fatalf("request before the restart: %v", r.Err)
 			}
@@ -158,6 +164,13 @@ func TestPrefillRestartBetweenRequests(t *testing.T) {
 			if n := counter(t, reg, "kvflow_read_retries_total", nil); n != 1 {
 				t.Errorf("%v retries in all, want 1", n)
 			}
+			if tc.shm {
+				viaShm := counter(t, reg, "kvflow_shm_batches_total", map[string]string{"path": "shm"})
+				viaNet := counter(t, reg, "kvflow_shm_batches_total", map[string]string{"path": "network"})
+				if viaShm != 4 || viaNet != 0 { // before, after (failed, retried), next
+					t.Errorf("%v batches over shm, %v over the network; want 4 and 0", viaShm, viaNet)
+				}
+			}
 		})
 	}
 }
@@ -170,9 +183,19 @@ func TestPrefillRestartBetweenRequests(t *testing.T) {
 //     process refuses blocks it does not hold;
 //   - the new process booted after the request's admission (its boot
 //     epoch says so): the decode refuses to re-read at all, grants or not.
+//
+// With te_backend shm the restarted process takes the cache file over in
+// place, contents kept: the old request's bytes are still there, and the
+// grant table (reset with the new epoch) is what refuses them.
 func TestPrefillRestartLosesHeldRequest(t *testing.T) {
+	for _, shm := range []bool{false, true} {
+		t.Run(map[bool]string{false: "tcp", true: "shm"}[shm], func(t *testing.T) { testPrefillRestartLosesHeldRequest(t, shm) })
+	}
+}
+
+func testPrefillRestartLosesHeldRequest(t *testing.T, shm bool) {
 	t.Run("grants refuse the re-read", func(t *testing.T) {
-		c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), grants: true})
+		c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), grants: true, shm: shm})
 		if r := pull(t, c, c.prefill[0], "warm", []int{1}, []int{1}, true); r.Err != nil {
 			t.Fatal(r.Err)
 		}
@@ -188,7 +211,7 @@ func TestPrefillRestartLosesHeldRequest(t *testing.T) {
 		t.Logf("failed: %v", r.Err)
 	})
 	t.Run("booted after admission", func(t *testing.T) {
-		c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2)})
+		c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), shm: shm})
 		if r := pull(t, c, c.prefill[0], "warm", []int{1}, []int{1}, true); r.Err != nil {
 			t.Fatal(r.Err)
 		}

@@ -34,6 +34,17 @@ type Grants interface {
 	RevokeAll() error
 }
 
+// RequestGrants is Grants that binds each grant to its request (hw/shm's
+// grant table, node.te_backend shm): a reader that names its request can
+// then tell its own blocks from blocks freed and already granted to
+// another request. The worker uses it instead of Grant/Revoke when Grants
+// implements it.
+type RequestGrants interface {
+	Grants
+	GrantRequest(id string, blocks []int) error
+	RevokeRequest(id string, blocks []int) (<-chan struct{}, error)
+}
+
 // GrantMode says what a send without block ids gets when Grants is set.
 type GrantMode uint8
 
@@ -472,6 +483,9 @@ func (w *Worker) grant(r SendRequest) (grantRec, error) {
 		return grantRec{}, nil
 	}
 	if len(r.BlockIDs) > 0 {
+		if rg, ok := g.(RequestGrants); ok {
+			return grantRec{blocks: r.BlockIDs}, rg.GrantRequest(r.RequestID, r.BlockIDs)
+		}
 		return grantRec{blocks: r.BlockIDs}, g.Grant(r.BlockIDs)
 	}
 	w.noIDs.Inc()
@@ -501,7 +515,13 @@ func (w *Worker) endGrantLocked(id string, rec grantRec) {
 			w.log.Error("revoke read grants", "request_id", id, "err", err)
 		}
 	case len(rec.blocks) > 0:
-		done, err := g.Revoke(rec.blocks)
+		var done <-chan struct{}
+		var err error
+		if rg, ok := g.(RequestGrants); ok {
+			done, err = rg.RevokeRequest(id, rec.blocks)
+		} else {
+			done, err = g.Revoke(rec.blocks)
+		}
 		if err != nil {
 			w.log.Error("revoke read grants", "request_id", id, "err", err)
 		}

@@ -14,6 +14,8 @@ import (
 type (
 	// Metadata is the seed's MooncakeAgentMetadata plus kvflow's optional Ext.
 	Metadata = wire.Metadata
+	// SameHost is a prefill worker's same-host claim (Ext.SameHost).
+	SameHost = wire.SameHost
 	// Ext is kvflow's optional metadata extension, omitted when zero.
 	Ext = wire.Ext
 	// RemoteError is a peer's "ERR <reason>" reply.

@@ -392,12 +392,12 @@ func (s *Stage) attempt(ctx context.Context, j *job.Job, i int) (err, batchErr e
 			if err := rd.Build(s.opts.Layout, c, s.opts.Local, remote); err != nil {
 				return fmt.Errorf("read task %d (rank %d) layers [%d, %d): %w", i, t.RemoteRank, c.LayerStart, c.LayerEnd, err), nil
 			}
-			if err := s.batch(ctx, session, rd, false, false); err != nil {
+			if err := s.batch(ctx, session, j.Req.ID, rd, false, false); err != nil {
 				s.m.failures.Inc()
 				return fmt.Errorf("read task %d (rank %d) session %s, layers [%d, %d), %d ops: %w", i, t.RemoteRank, session, c.LayerStart, c.LayerEnd, rd.Len(), err), err
 			}
 		}
-	} else if err := s.batch(ctx, session, rd, j.Stitched, gather); err != nil {
+	} else if err := s.batch(ctx, session, j.Req.ID, rd, j.Stitched, gather); err != nil {
 		s.m.failures.Inc()
 		return fmt.Errorf("read task %d (rank %d) session %s, %d ops: %w", i, t.RemoteRank, session, nops, err), err
 	}
@@ -444,8 +444,8 @@ func headSliceChunks(t plan.Task, nops int) []plan.Task {
 // gather, plainly otherwise. With a ledger (Capabilities.Ledger; plain
 // reads only) it reconciles what landed with the manifest (rd) and turns
 // any shortfall into an error naming the first short op.
-func (s *Stage) batch(ctx context.Context, session string, rd *plan.Reads, fused, gather bool) error {
-	b := Batch{Reads: rd, Gather: gather}
+func (s *Stage) batch(ctx context.Context, session, req string, rd *plan.Reads, fused, gather bool) error {
+	b := Batch{Reads: rd, Gather: gather, Request: req}
 	if fused {
 		row, pitch, err := rd.Interleave(s.opts.BlockSize)
 		if err != nil { // fuses checked the layout: not reached

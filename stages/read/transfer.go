@@ -60,6 +60,12 @@ type Batch struct {
 	// Landed, when not nil (Capabilities.Ledger, plain reads only): one
 	// entry per op (Len), set to the bytes of that op that landed.
 	Landed []uint64
+	// Request is the id of the request the reads are for, as its prefill
+	// knows it (what DONE_RECVING carries); "" when unknown. A transfer
+	// that checks grants per request itself (node.te_backend shm's
+	// same-host reads) refuses blocks its request no longer holds; others
+	// ignore it.
+	Request string
 }
 
 // Len is the number of ops of the batch's plain form (Landed's length).

@@ -65,7 +65,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	netemSpec := fs.String("netem", "", `shape the link between prefill and decode, e.g. "delay 1ms": each side in its own network namespace (root, iproute2; kernel netem, else a netfilter-queue delay (iptables), else a userspace delay relay); process mode only`)
 	netemMode := fs.String("netem-mode", "auto", "how --netem delays: auto, kernel (tc netem), queue (iptables NFQUEUE, verdicts from this process) or relay (userspace delay relay)")
 	plotPath := fs.String("plot", "", "also draw per-stage latency and throughput to this SVG file")
-	teBackend := fs.String("te-backend", config.BackendTCP, "the workers' transfer engine: tcp, or mooncake (Mooncake's engine over its tcp transport; a kvflow built with -tags mooncake)")
+	teBackend := fs.String("te-backend", config.BackendTCP, "the workers' node.te_backend: tcp, or mooncake (Mooncake's engine over its tcp transport; a kvflow built with -tags mooncake)")
 	if err := clierr.ParseFlags(fs, args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			fmt.Fprint(stdout, "usage: kvflow bench e2e [flags]\n\nflags:\n")

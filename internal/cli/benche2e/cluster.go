@@ -72,8 +72,10 @@ func (w Workload) config(role config.Role, rank, kvPort int, pool, local int) co
 	c.Rank = config.Rank{TP: rank}
 	c.Node.MetricsAddr = ""
 	c.Cache.NoHugePages = true
+	if w.TEBackend != "" {
+		c.Node.TEBackend = w.TEBackend
+	}
 	if w.TEBackend == config.BackendMooncake {
-		c.Node.TEBackend = config.BackendMooncake
 		c.Node.Mooncake.Protocol = "tcp" // loopback: no RDMA here
 		if role == config.Prefill {
 			c.Read.Grants = config.GrantsOff // Mooncake has none: say so, not warn

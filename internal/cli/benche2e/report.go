@@ -26,7 +26,10 @@ func (w Workload) Describe() string {
 		b.WriteString(" (fewer layers to fit the memory cap: per-op sizes are the full model's, requests carry fewer ops)")
 	}
 	if w.TEBackend != "" && w.TEBackend != config.BackendTCP {
-		fmt.Fprintf(&b, ", te_backend %s (its tcp transport)", w.TEBackend)
+		fmt.Fprintf(&b, ", te_backend %s", w.TEBackend)
+		if w.TEBackend == config.BackendMooncake {
+			b.WriteString(" (its tcp transport)")
+		}
 	}
 	return b.String()
 }

@@ -18,9 +18,8 @@
 //
 // kvflow additions, all optional so the plain protocol still works:
 //   - metadata field "kvflow" (a map: {"boot_epoch": uint, "lease_ttl_ms":
-//     uint, "batch_done": true, "cache": map, "te_auth": bin}, each omitted when
-//     0/false/nil) after the seed's
-//     four, omitted when empty (then kvflow's bytes equal the seed's, as
+//     uint, "batch_done": true, "cache": map, "te_auth": bin, "same_host":
+//     map}, each omitted when 0/false/nil) after the seed's four, omitted when empty (then kvflow's bytes equal the seed's, as
 //     the seed's vectors check). A kvflow prefill worker always sets
 //     boot_epoch, so its metadata carries the field; msgspec ignores
 //     unknown fields, so seed peers accept it (tested with Python msgpack
@@ -42,6 +41,16 @@
 //     CURVE client (bound to its key); present means the sender's
 //     transfer engine requires data-plane authentication. Other lengths,
 //     types and duplicates are malformed. Golden bytes: TestMetadataTEAuth;
+//   - "kvflow"."same_host" (a map), the sender's same-host claim
+//     (SameHost, hw/shm.Claim): "host" (str, the kernel's boot id),
+//     "path" (str, the cache file), "dev", "ino", "size" (uint, its
+//     identity), "header" (bin, its header bytes), "grants" (str, the
+//     grant table file), "grants_dev", "grants_ino" (uint), "epoch"
+//     (uint, the grant table's run), in that order, all required; strings
+//     of 1..4096 bytes, header 1..4096 bytes, size and epoch from 1;
+//     anything else is malformed, with the field named; unknown keys are
+//     skipped. Sent only by a prefill worker with node.te_backend shm.
+//     Golden bytes: TestMetadataSameHost;
 //   - RENEW [bin "renew_msg", [str req_id, ...]] → raw "ACK": lease
 //     renewal, sent only to a peer whose metadata carries lease_ttl_ms (so
 //     a seed ROUTER, which would drop it, never receives it), e.g.

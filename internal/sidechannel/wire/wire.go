@@ -177,11 +177,16 @@ type Ext struct {
 	// client's CURVE public key. nil = not sent: the peer's transfer engine
 	// speaks the plain protocol.
 	TEAuth *[TEAuthSize]byte
+	// SameHost is the sender's same-host claim (sent as "same_host", a
+	// map; see the package docs): a decode worker on the same host may
+	// read its cache by mapping the file (hw/shm) instead of over the
+	// network. nil = not sent.
+	SameHost *SameHost
 }
 
 // IsZero reports whether no extension field is set (then "kvflow" is omitted).
 func (e Ext) IsZero() bool {
-	return e.BootEpoch == 0 && e.LeaseTTL <= 0 && !e.BatchDone && e.Cache == nil && e.TEAuth == nil
+	return e.BootEpoch == 0 && e.LeaseTTL <= 0 && !e.BatchDone && e.Cache == nil && e.TEAuth == nil && e.SameHost == nil
 }
 
 // AppendGetMeta appends the GET_META request, msgpack [b"get_meta_msg", ""].
@@ -411,6 +416,9 @@ func appendExt(dst []byte, e Ext) []byte {
 	if e.TEAuth != nil {
 		n++
 	}
+	if e.SameHost != nil {
+		n++
+	}
 	dst = appendMapLen(dst, n)
 	if e.BootEpoch != 0 {
 		dst = appendStr(dst, keyBootEpoch)
@@ -431,6 +439,10 @@ func appendExt(dst []byte, e Ext) []byte {
 	if e.TEAuth != nil {
 		dst = appendStr(dst, keyTEAuth)
 		dst = appendBin(dst, string(e.TEAuth[:]))
+	}
+	if e.SameHost != nil {
+		dst = appendStr(dst, keySameHost)
+		dst = appendSameHost(dst, e.SameHost)
 	}
 	return dst
 }
@@ -552,7 +564,7 @@ func (r *reader) ext() (Ext, error) {
 	if err != nil {
 		return e, err
 	}
-	seenEpoch, seenLease, seenBatch, seenCache, seenAuth := false, false, false, false, false
+	seenEpoch, seenLease, seenBatch, seenCache, seenAuth, seenSame := false, false, false, false, false, false
 	for i := 0; i < n; i++ {
 		key, err := r.str(keyKvflow + " key")
 		if err != nil {
@@ -604,6 +616,12 @@ func (r *reader) ext() (Ext, error) {
 			if err == nil {
 				e.TEAuth = (*[TEAuthSize]byte)(bytes.Clone(tok))
 			}
+		case keySameHost:
+			if seenSame {
+				return Ext{}, r.errf(field, "duplicate key")
+			}
+			seenSame = true
+			e.SameHost, err = r.sameHost(field)
 		default:
 			err = r.skip(field, 2)
 		}

@@ -1,0 +1,378 @@
+package node
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"slices"
+	"strconv"
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promauto"
+
+	"github.com/kvflow/kvflow/hw/npu"
+	"github.com/kvflow/kvflow/hw/shm"
+	"github.com/kvflow/kvflow/internal/prefill"
+	"github.com/kvflow/kvflow/internal/sidechannel"
+	"github.com/kvflow/kvflow/stages/plan"
+	"github.com/kvflow/kvflow/stages/read"
+)
+
+// node.te_backend shm: the TCP engine, plus same-host reads by mapping a
+// peer's cache file (hw/shm).
+//
+// Prefill side: a grant table next to the cache file (<cache>.grants),
+// kept with the TCP engine's grants (tableGrants), and the claim in the
+// metadata (Ext.SameHost).
+//
+// Decode side: sameHost, a read.Transfer in front of the TCP one. Every
+// GET_META reply passes through it (fetcher.sh): a reply with a claim is
+// opened (shm.Open checks it against the files) and the peer's batches
+// are then copies; a claim that does not hold is counted
+// (kvflow_shm_fallbacks_total{reason}), logged at warn (at debug when the
+// peer is simply on another host), and the peer is read over TCP.
+
+// fallback reasons, the label values of kvflow_shm_fallbacks_total.
+var shmFallbackReasons = []string{"other_host", "mismatch", "owner_gone", "no_local_memory", "error"}
+
+type shmMetrics struct {
+	fallbacks *prometheus.CounterVec
+	batches   *prometheus.CounterVec
+	bytes     prometheus.Counter
+}
+
+func newShmMetrics(reg prometheus.Registerer) *shmMetrics {
+	f := promauto.With(reg)
+	m := &shmMetrics{
+		fallbacks: f.NewCounterVec(prometheus.CounterOpts{Name: "kvflow_shm_fallbacks_total",
+			Help: "Peers whose same-host claim did not hold (or could not be used), read over the network instead, by reason."}, []string{"reason"}),
+		batches: f.NewCounterVec(prometheus.CounterOpts{Name: "kvflow_shm_batches_total",
+			Help: "Read batches of a node.te_backend shm decode worker, by path (shm: copied from a mapped same-host cache file; network: the TCP engine)."}, []string{"path"}),
+		bytes: f.NewCounter(prometheus.CounterOpts{Name: "kvflow_shm_read_bytes_total",
+			Help: "Bytes copied from same-host peers' mapped cache files."}),
+	}
+	for _, r := range shmFallbackReasons {
+		m.fallbacks.WithLabelValues(r)
+	}
+	m.batches.WithLabelValues("shm")
+	m.batches.WithLabelValues("network")
+	return m
+}
+
+// sameHost is the decode side's read.Transfer with node.te_backend shm.
+type sameHost struct {
+	net   read.Transfer
+	caps  read.Capabilities
+	local [][]byte
+	log   *slog.Logger
+	m     *shmMetrics
+
+	mu    sync.Mutex
+	peers map[string]*shmPeer // by session "host:te_rpc_port"
+}
+
+// shmPeer is what a session's latest metadata offered: the claim and the
+// reader opened from it (nil: read over the network).
+type shmPeer struct {
+	claim sidechannel.SameHost
+	base  []uint64
+	r     *shm.Reader
+}
+
+func newSameHost(net read.Transfer, d npu.Device, reg prometheus.Registerer, log *slog.Logger) *sameHost {
+	s := &sameHost{net: net, log: log.With("component", "hw/shm"), m: newShmMetrics(reg), peers: map[string]*shmPeer{}}
+	l := d.Layout()
+	for k := range l.NumCaches() {
+		layer, part := l.CacheOf(k)
+		b := d.Bytes(layer, part)
+		if b == nil {
+			s.local = nil
+			break
+		}
+		s.local = append(s.local, b)
+	}
+	caps := net.Capabilities()
+	classify := caps.Classify
+	caps.Classify = func(err error) read.Failure {
+		switch {
+		case errors.Is(err, shm.ErrOwnerGone), errors.Is(err, shm.ErrClosed), errors.Is(err, shm.ErrFault):
+			// The peer exited or restarted, its files changed under the
+			// mapping, or a newer claim replaced this reader: like a lost
+			// connection, re-fetch its metadata (and claim) and retry if
+			// the read stage's rules allow.
+			return read.Failure{ConnLost: true}
+		case errors.Is(err, shm.ErrNotGranted):
+			return read.Failure{Refused: true}
+		case classify != nil:
+			return classify(err)
+		}
+		return read.Failure{}
+	}
+	s.caps = caps
+	return s
+}
+
+func (s *sameHost) Capabilities() read.Capabilities { return s.caps }
+
+// offer takes the metadata a GET_META to endpoint returned: its claim, if
+// any, replaces the session's previous one.
+func (s *sameHost) offer(endpoint string, m sidechannel.Metadata) {
+	host, _, err := net.SplitHostPort(endpoint)
+	if err != nil {
+		return
+	}
+	session := net.JoinHostPort(host, strconv.Itoa(m.TERPCPort))
+	c := m.Ext.SameHost
+	s.mu.Lock()
+	old := s.peers[session]
+	if c == nil {
+		delete(s.peers, session)
+		s.mu.Unlock()
+		closeReader(old)
+		return
+	}
+	if old != nil && sameClaim(&old.claim, c) && slices.Equal(old.base, m.KVCachesBaseAddr) {
+		s.mu.Unlock()
+		return
+	}
+	s.mu.Unlock()
+	p := &shmPeer{claim: *c, base: m.KVCachesBaseAddr}
+	p.r = s.open(session, c, m.KVCachesBaseAddr)
+	s.mu.Lock()
+	stale := []*shmPeer{s.peers[session]}
+	s.peers[session] = p
+	// The same file under another session is the same prefill rank's
+	// earlier run (restarted on another port): its reader is dead weight.
+	// Past maxShmPeers, drop others too (they are re-opened from the next
+	// GET_META reply that names them).
+	for k, q := range s.peers {
+		if k != session && (q.claim.Path == c.Path && q.claim.HostID == c.HostID || len(s.peers) > maxShmPeers) {
+			delete(s.peers, k)
+			stale = append(stale, q)
+		}
+	}
+	s.mu.Unlock()
+	for _, q := range stale {
+		closeReader(q)
+	}
+}
+
+// maxShmPeers bounds the sessions sameHost remembers: far above the prefill
+// ranks one decode rank reads from (at most a few hundred), so only churn
+// (peers restarting on new ports) ever reaches it.
+const maxShmPeers = 1024
+
+// open opens a claim, or counts and logs why it cannot be used (nil).
+func (s *sameHost) open(session string, c *sidechannel.SameHost, base []uint64) *shm.Reader {
+	log := s.log.With("session", session, "path", c.Path)
+	if s.local == nil {
+		s.m.fallbacks.WithLabelValues("no_local_memory").Inc()
+		log.Warn("same-host peer read over the network: this worker's cache memory is not host-addressable")
+		return nil
+	}
+	r, err := shm.Open(shm.Claim{HostID: c.HostID, Path: c.Path, Dev: c.Dev, Ino: c.Ino, Size: c.Size, Header: c.Header,
+		Grants: c.Grants, GrantsDev: c.GrantsDev, GrantsIno: c.GrantsIno, Epoch: c.Epoch},
+		shm.Options{BaseAddrs: base, Local: s.local})
+	if err == nil {
+		log.Info("same-host peer: reading its cache file directly")
+		return r
+	}
+	reason := "error"
+	switch {
+	case errors.Is(err, shm.ErrNotSameHost):
+		s.m.fallbacks.WithLabelValues("other_host").Inc()
+		log.Debug("peer on another host: reading over the network", "err", err)
+		return nil
+	case errors.Is(err, shm.ErrMismatch):
+		reason = "mismatch"
+	case errors.Is(err, shm.ErrOwnerGone):
+		reason = "owner_gone"
+	}
+	s.m.fallbacks.WithLabelValues(reason).Inc()
+	log.Warn("same-host claim does not hold: reading this peer over the network", "reason", reason, "err", err)
+	return nil
+}
+
+func sameClaim(a, b *sidechannel.SameHost) bool {
+	return a.HostID == b.HostID && a.Path == b.Path && a.Dev == b.Dev && a.Ino == b.Ino && a.Size == b.Size &&
+		string(a.Header) == string(b.Header) && a.Grants == b.Grants && a.GrantsDev == b.GrantsDev &&
+		a.GrantsIno == b.GrantsIno && a.Epoch == b.Epoch
+}
+
+func closeReader(p *shmPeer) {
+	if p != nil && p.r != nil {
+		p.r.Close() // waits for its running reads
+	}
+}
+
+// BatchRead copies from the session's mapped file when its claim held,
+// and reads over the network otherwise.
+func (s *sameHost) BatchRead(ctx context.Context, session string, b *read.Batch) error {
+	s.mu.Lock()
+	p := s.peers[session]
+	s.mu.Unlock()
+	if p == nil || p.r == nil {
+		s.m.batches.WithLabelValues("network").Inc()
+		return s.net.BatchRead(ctx, session, b)
+	}
+	var st shm.Stride
+	var src []plan.Op
+	switch {
+	case b.Gather && b.Reads != nil:
+		row, pitch, ok := b.Reads.GatherStride()
+		if !ok {
+			return errors.New("node: same-host gather of reads with no strided form")
+		}
+		st = shm.Stride{Row: row, Pitch: pitch, Gather: true}
+		src = b.Reads.AppendGather(make([]plan.Op, 0, b.Reads.GatherLen()))
+	case b.Gather:
+		return errors.New("node: same-host gather of an op list")
+	default:
+		st = shm.Stride{Row: b.Row, Pitch: b.Pitch}
+		src = b.AppendTo(make([]plan.Op, 0, b.Len()))
+	}
+	ops := make([]shm.Op, len(src))
+	var n uint64
+	for i, op := range src {
+		ops[i] = shm.Op{Local: op.Local, Remote: op.Remote, Len: op.Len}
+		n += op.Len
+	}
+	s.m.batches.WithLabelValues("shm").Inc()
+	if err := p.r.Read(ctx, b.Request, ops, st); err != nil {
+		return fmt.Errorf("same-host read from %s: %w", p.claim.Path, err)
+	}
+	s.m.bytes.Add(float64(n))
+	for i := range b.Landed {
+		b.Landed[i] = b.At(i).Len
+	}
+	return nil
+}
+
+// Close closes every reader.
+func (s *sameHost) Close() error {
+	s.mu.Lock()
+	peers := s.peers
+	s.peers = map[string]*shmPeer{}
+	s.mu.Unlock()
+	for _, p := range peers {
+		closeReader(p)
+	}
+	return nil
+}
+
+// tableGrants keeps the shm grant table with the TCP engine's grants
+// (next, nil with read.grants off): granted in the table first, revoked
+// in the table first, so a same-host reader's check fails before the
+// prefill can report a block free.
+type tableGrants struct {
+	t    *shm.Table
+	next prefill.Grants
+}
+
+func (g tableGrants) Grant(blocks []int) error {
+	if err := g.t.Grant(blocks); err != nil {
+		return err
+	}
+	if g.next == nil {
+		return nil
+	}
+	if err := g.next.Grant(blocks); err != nil {
+		g.t.Revoke(blocks)
+		return err
+	}
+	return nil
+}
+
+func (g tableGrants) Revoke(blocks []int) (<-chan struct{}, error) {
+	terr := g.t.Revoke(blocks)
+	if g.next == nil {
+		c := make(chan struct{})
+		close(c)
+		return c, terr
+	}
+	done, err := g.next.Revoke(blocks)
+	return done, errors.Join(terr, err)
+}
+
+// GrantRequest grants blocks bound to request id in the table (so a
+// same-host reader that names id is refused once id is freed, whatever
+// happened to the blocks since) and plainly on the engine.
+func (g tableGrants) GrantRequest(id string, blocks []int) error {
+	if err := g.t.GrantRequest(id, blocks); err != nil {
+		return err
+	}
+	if g.next == nil {
+		return nil
+	}
+	if err := g.next.Grant(blocks); err != nil {
+		g.t.RevokeRequest(id, blocks)
+		return err
+	}
+	return nil
+}
+
+// RevokeRequest ends one GrantRequest, in the table first.
+func (g tableGrants) RevokeRequest(id string, blocks []int) (<-chan struct{}, error) {
+	terr := g.t.RevokeRequest(id, blocks)
+	if g.next == nil {
+		c := make(chan struct{})
+		close(c)
+		return c, terr
+	}
+	done, err := g.next.Revoke(blocks)
+	return done, errors.Join(terr, err)
+}
+
+var _ prefill.RequestGrants = tableGrants{}
+
+func (g tableGrants) GrantAll() error {
+	if err := g.t.GrantAll(); err != nil {
+		return err
+	}
+	if g.next == nil {
+		return nil
+	}
+	if err := g.next.GrantAll(); err != nil {
+		g.t.RevokeAll()
+		return err
+	}
+	return nil
+}
+
+func (g tableGrants) RevokeAll() error {
+	terr := g.t.RevokeAll()
+	if g.next == nil {
+		return terr
+	}
+	return errors.Join(terr, g.next.RevokeAll())
+}
+
+// openGrantTable creates the prefill's grant table next to its cache file
+// and the claim it publishes. With grants off (next nil) every block is
+// granted for good, as the TCP engine serves every block then.
+func (n *Node) openGrantTable(next prefill.Grants, log *slog.Logger) (prefill.Grants, *sidechannel.SameHost, error) {
+	path := n.Config.CachePath()
+	t, err := shm.CreateTable(path+".grants", n.Shape.NumBlocks, 0)
+	if err != nil {
+		return nil, nil, fmt.Errorf("node: te_backend shm: %w", err)
+	}
+	remove := n.Config.Cache.RemoveOnClose
+	n.closers = append(n.closers, func(context.Context) error { return t.Close(remove) })
+	c, err := shm.MakeClaim(path, t)
+	if err != nil {
+		return nil, nil, fmt.Errorf("node: te_backend shm: %w", err)
+	}
+	claim := &sidechannel.SameHost{HostID: c.HostID, Path: c.Path, Dev: c.Dev, Ino: c.Ino, Size: c.Size, Header: c.Header,
+		Grants: c.Grants, GrantsDev: c.GrantsDev, GrantsIno: c.GrantsIno, Epoch: c.Epoch}
+	log.Info("same-host reads offered (node.te_backend shm)", "cache", path, "grant_table", t.Path())
+	if next == nil {
+		if err := t.GrantAll(); err != nil {
+			return nil, nil, err
+		}
+		return nil, claim, nil
+	}
+	return tableGrants{t: t, next: next}, claim, nil
+}
