@@ -70,3 +70,40 @@ func BenchmarkChain(b *testing.B) {
 		close(chans[benchStages])
 	})
 }
+
+// BenchmarkKeyedStage compares one no-op stage, keyed (4 keys, round
+// robin) and unkeyed, with the same workers and capacity: the keyed
+// path's cost per item (a mutex, a condition variable and a slot per
+// key). kvflow keys only stages whose items wait on a peer for a
+// millisecond or more.
+func BenchmarkKeyedStage(b *testing.B) {
+	for _, keyedStage := range []bool{false, true} {
+		name := "unkeyed"
+		if keyedStage {
+			name = "keyed"
+		}
+		b.Run(name, func(b *testing.B) {
+			sc := StageConfig[int]{Name: "s", Workers: 2, Capacity: benchCapacity,
+				Stage: StageFunc[int](func(context.Context, int) error { return nil })}
+			if keyedStage {
+				sc.Key = func(i int) string { return keys4[i&3] }
+			}
+			var wg sync.WaitGroup
+			p, err := New(Config[int]{Stages: []StageConfig[int]{sc}, Sink: func(Result[int]) { wg.Done() }})
+			if err != nil {
+				b.Fatal(err)
+			}
+			ctx := context.Background()
+			wg.Add(b.N)
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				p.Submit(ctx, i)
+			}
+			wg.Wait()
+			b.StopTimer()
+			p.Close(ctx)
+		})
+	}
+}
+
+var keys4 = [4]string{"a", "b", "c", "d"}

@@ -24,13 +24,41 @@
 //     running stages stop, and end every remaining item as Canceled. No
 //     goroutine started by the pipeline outlives Close.
 //
+// # Keyed stages
+//
+// A stage with StageConfig.Key set is keyed (kvflow keys its read and
+// notify stages by prefill peer): each item waits in its key's FIFO, at
+// most KeyWorkers items of one key run at once, and workers take the next
+// runnable key in turn, so one slow key holds at most KeyWorkers workers
+// and KeyQueue queue places while the other keys go on.
+//
+//   - Capacity still bounds the items waiting in the stage, all keys
+//     together; a send (Submit or an upstream worker) blocks while it is
+//     full exactly as for an unkeyed stage, and the time is counted.
+//   - A send that would exceed its key's KeyQueue blocks until one of the
+//     key's items is taken; when the key is stalled (items running, none
+//     ended without error for KeyStall) it is refused at once
+//     (ErrKeyStalled) so that the stalled key holds no sender.
+//   - An item naming a new key while MaxKeys keys are held is refused
+//     (ErrTooManyKeys): a flood of distinct keys costs bounded memory.
+//   - A refused item fails at the keyed stage (counted in
+//     kvflow_stage_rejected_total and as outcome error) and goes on to the
+//     stages that see failures; refused at the intake, Submit returns the
+//     error and the item is not accepted.
+//   - Per-key FIFO: a key's items are taken in the order they were sent.
+//   - Unkeyed stages are untouched: a keyed stage has no channel, and the
+//     unkeyed path pays one nil check per send.
+//
 // # Metrics (label stage)
 //
 // kvflow_stage_queue_depth, kvflow_stage_queue_capacity,
 // kvflow_stage_blocked_seconds_total, kvflow_stage_duration_seconds,
 // kvflow_stage_items_total{outcome=ok|error|skipped|canceled},
 // kvflow_stage_busy_workers, kvflow_stage_rejected_total,
-// kvflow_stage_panics_total; and for the whole chain
+// kvflow_stage_panics_total; for keyed stages kvflow_stage_keys_backlogged
+// (keys with items waiting) and kvflow_stage_key_wait_seconds (time an
+// item waited in its key's queue), never a per-key label; and for the
+// whole chain
 // kvflow_pipeline_in_flight, kvflow_pipeline_items_total{outcome},
 // kvflow_pipeline_item_duration_seconds{outcome}.
 //

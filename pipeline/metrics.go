@@ -35,6 +35,8 @@ type metrics struct {
 	panics        *prometheus.CounterVec
 	inflight      prometheus.GaugeFunc
 	latency       *prometheus.HistogramVec
+	keyWait       *prometheus.HistogramVec
+	backlogged    *prometheus.Desc
 	scrape        *scrapeCollector
 	latencyBy     [3]prometheus.Observer
 }
@@ -59,6 +61,7 @@ type stageGauges struct {
 	name     string
 	capacity int
 	depth    func() float64
+	keys     func() float64 // keys with a backlog; nil for an unkeyed stage
 	blocked  *blockedClock
 	workers  func() (ok, busy uint64)
 	errors   *atomic.Uint64
@@ -73,6 +76,7 @@ func (c *scrapeCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.m.busy
 	ch <- c.m.items
 	ch <- c.m.results
+	ch <- c.m.backlogged
 }
 
 func (c *scrapeCollector) Collect(ch chan<- prometheus.Metric) {
@@ -86,6 +90,9 @@ func (c *scrapeCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.m.items, prometheus.CounterValue, float64(s.errors.Load()), s.name, outcomeError)
 		ch <- prometheus.MustNewConstMetric(c.m.items, prometheus.CounterValue, float64(s.skipped.Load()), s.name, outcomeSkipped)
 		ch <- prometheus.MustNewConstMetric(c.m.items, prometheus.CounterValue, float64(s.canceled.Load()), s.name, outcomeCanceled)
+		if s.keys != nil {
+			ch <- prometheus.MustNewConstMetric(c.m.backlogged, prometheus.GaugeValue, s.keys(), s.name)
+		}
 	}
 	done, failed, canceled := c.results()
 	ch <- prometheus.MustNewConstMetric(c.m.results, prometheus.CounterValue, float64(done), Done.String())
@@ -114,7 +121,7 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) (*metrics, e
 			"Items that reached the sink, by outcome (done, failed, canceled).", []string{"outcome"}, nil),
 		rejected: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvflow_stage_rejected_total",
-			Help: "Non-blocking submissions rejected because the stage's queue was full.",
+			Help: "Items refused by the stage: non-blocking submissions when its queue was full, and, in a keyed stage, items of a new key beyond its max keys or over a stalled key's queue bound.",
 		}, []string{"stage"}),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "kvflow_stage_duration_seconds",
@@ -125,6 +132,13 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) (*metrics, e
 			Name: "kvflow_stage_panics_total",
 			Help: "Panics recovered in the stage's processing function (each also fails its item).",
 		}, []string{"stage"}),
+		keyWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "kvflow_stage_key_wait_seconds",
+			Help:    "Time an item of a keyed stage waited in its key's queue before a worker took it (all keys together).",
+			Buckets: DurationBuckets,
+		}, []string{"stage"}),
+		backlogged: prometheus.NewDesc("kvflow_stage_keys_backlogged",
+			"Keys of a keyed stage with items waiting (a key is a peer; no per-key series).", []string{"stage"}, nil),
 		inflight: prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvflow_pipeline_in_flight",
 			Help: "Accepted items that have not yet reached the sink.",
@@ -136,7 +150,7 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) (*metrics, e
 		}, []string{"outcome"}),
 	}
 	m.scrape = &scrapeCollector{m: m}
-	for _, c := range []prometheus.Collector{m.rejected, m.duration, m.panics, m.inflight, m.latency} {
+	for _, c := range []prometheus.Collector{m.rejected, m.duration, m.panics, m.inflight, m.latency, m.keyWait} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("pipeline: register metrics: %w", err)
 		}
@@ -147,7 +161,7 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) (*metrics, e
 	return m, nil
 }
 
-func (m *metrics) forStage(name string, capacity int, depth func() float64, workers func() (ok, busy uint64)) stageMetrics {
+func (m *metrics) forStage(name string, capacity int, depth, keys func() float64, workers func() (ok, busy uint64)) stageMetrics {
 	s := stageMetrics{
 		blocked:  &blockedClock{epoch: time.Now()},
 		rejected: m.rejected.WithLabelValues(name),
@@ -157,7 +171,7 @@ func (m *metrics) forStage(name string, capacity int, depth func() float64, work
 		skipped:  new(atomic.Uint64),
 		canceled: new(atomic.Uint64),
 	}
-	m.scrape.stages = append(m.scrape.stages, stageGauges{name: name, capacity: capacity, depth: depth,
+	m.scrape.stages = append(m.scrape.stages, stageGauges{name: name, capacity: capacity, depth: depth, keys: keys,
 		blocked: s.blocked, workers: workers, errors: s.errors, skipped: s.skipped, canceled: s.canceled})
 	return s
 }

@@ -60,6 +60,34 @@ type StageConfig[T any] struct {
 	// SeesFailed makes failed items visit this stage too (kvflow's notify
 	// stage must tell the remote side to free blocks even after a failure).
 	SeesFailed bool
+
+	// Key, if set, makes the stage keyed: each item waits in its key's
+	// FIFO, at most KeyWorkers items of one key are processed at once, and
+	// workers take the next runnable key in turn (round robin), so a key
+	// whose items are slow (a wedged peer) holds at most KeyWorkers
+	// workers and KeyQueue places in the queue, and the others go on.
+	// Capacity still bounds the items waiting in the stage, all keys
+	// together: a send blocks while it is full, as for an unkeyed stage.
+	// Key must be cheap and must not block; it is called once per item,
+	// as the item is handed to the stage.
+	Key func(T) string
+	// KeyWorkers bounds the items of one key in Process at once; 0 means
+	// Workers (no bound beyond the stage's).
+	KeyWorkers int
+	// KeyQueue bounds the items of one key waiting in the stage; 0 means
+	// Capacity. A send that would exceed it blocks until one of the key's
+	// items is taken, or is refused when the key is stalled (KeyStall).
+	KeyQueue int
+	// KeyStall: a key with items in Process none of which ended without
+	// error for KeyStall (since the key turned busy or its last such end)
+	// is stalled; a send that would exceed its KeyQueue is then refused at
+	// once with ErrKeyStalled (the item fails at this stage) instead of
+	// holding its sender. 0: never refused, the send blocks.
+	KeyStall time.Duration
+	// MaxKeys bounds the distinct keys with items waiting or in Process;
+	// an item with a new key beyond is refused with ErrTooManyKeys.
+	// 0 means DefaultMaxKeys.
+	MaxKeys int
 }
 
 // Outcome is how an item ended.
@@ -127,8 +155,9 @@ type stage[T any] struct {
 	process func(context.Context, T) error        // cfg.Stage.Process
 	failed  func(context.Context, T, error) error // its ProcessFailed; nil if none
 	idx     int
-	next    *stage[T] // the stage after this one; nil for the last
-	queue   chan envelope[T]
+	next    *stage[T]        // the stage after this one; nil for the last
+	queue   chan envelope[T] // nil for a keyed stage
+	keyed   *keyed[T]        // nil for an unkeyed stage
 	m       stageMetrics
 	workers []worker
 }
@@ -275,6 +304,9 @@ func New[T any](cfg Config[T]) (*Pipeline[T], error) {
 	queues := p.makeQueues(cfg.Stages)
 	for i, sc := range cfg.Stages {
 		s := &stage[T]{cfg: sc, idx: i, queue: queues[i], workers: make([]worker, sc.Workers)}
+		if sc.Key != nil {
+			s.keyed = newKeyed(sc, m.keyWait.WithLabelValues(sc.Name))
+		}
 		// A StageFunc is called directly, not through the interface and
 		// its Process wrapper.
 		if f, ok := sc.Stage.(StageFunc[T]); ok {
@@ -285,7 +317,13 @@ func New[T any](cfg Config[T]) (*Pipeline[T], error) {
 		if fa, ok := sc.Stage.(FailureAware[T]); ok {
 			s.failed = fa.ProcessFailed
 		}
-		s.m = m.forStage(sc.Name, sc.Capacity, func() float64 { return float64(len(s.queue)) }, s.workerStates)
+		depth := func() float64 { return float64(len(s.queue)) }
+		var backlogged func() float64
+		if s.keyed != nil {
+			depth = func() float64 { return float64(s.keyed.waiting.Load()) }
+			backlogged = func() float64 { return float64(s.keyed.backlogged.Load()) }
+		}
+		s.m = m.forStage(sc.Name, sc.Capacity, depth, backlogged, s.workerStates)
 		p.stages = append(p.stages, s)
 	}
 	for i, s := range p.stages[1:] {
@@ -299,6 +337,10 @@ func New[T any](cfg Config[T]) (*Pipeline[T], error) {
 	for _, s := range p.stages {
 		for i := range s.workers {
 			w := &s.workers[i]
+			if s.keyed != nil {
+				p.workers.Go(func() { p.runKeyed(s, w) })
+				continue
+			}
 			p.workers.Go(func() { p.run(s, w) })
 		}
 	}
@@ -325,6 +367,9 @@ func (p *Pipeline[T]) makeQueues(stages []StageConfig[T]) []chan envelope[T] {
 	p.spacers = make([]chan envelope[T], 0, len(stages)+1)
 	p.spacers = append(p.spacers, make(chan envelope[T], 1))
 	for i, sc := range stages {
+		if sc.Key != nil {
+			continue // a keyed stage has no channel (see keyed)
+		}
 		queues[i] = make(chan envelope[T], sc.Capacity)
 		p.spacers = append(p.spacers, make(chan envelope[T], 1))
 	}
@@ -377,8 +422,32 @@ func validate[T any](cfg Config[T]) error {
 		if s.Stage == nil || isNilFunc(s.Stage) {
 			errs = append(errs, fmt.Errorf("pipeline: stage %q: nil stage", s.Name))
 		}
+		errs = append(errs, validateKey(s)...)
 	}
 	return errors.Join(errs...)
+}
+
+func validateKey[T any](s StageConfig[T]) []error {
+	var errs []error
+	if s.Key == nil {
+		if s.KeyWorkers != 0 || s.KeyQueue != 0 || s.KeyStall != 0 || s.MaxKeys != 0 {
+			errs = append(errs, fmt.Errorf("pipeline: stage %q: key_workers, key_queue, key_stall or max_keys set without a key", s.Name))
+		}
+		return errs
+	}
+	if s.KeyWorkers < 0 || s.KeyWorkers > s.Workers {
+		errs = append(errs, fmt.Errorf("pipeline: stage %q: key workers must be 0 (all) or 1..%d (workers), got %d", s.Name, s.Workers, s.KeyWorkers))
+	}
+	if s.KeyQueue < 0 || (s.Capacity > 0 && s.KeyQueue > s.Capacity) {
+		errs = append(errs, fmt.Errorf("pipeline: stage %q: key queue must be 0 (capacity) or 1..%d (capacity), got %d", s.Name, s.Capacity, s.KeyQueue))
+	}
+	if s.KeyStall < 0 {
+		errs = append(errs, fmt.Errorf("pipeline: stage %q: key stall must be >= 0, got %v", s.Name, s.KeyStall))
+	}
+	if s.MaxKeys < 0 {
+		errs = append(errs, fmt.Errorf("pipeline: stage %q: max keys must be >= 0, got %d", s.Name, s.MaxKeys))
+	}
+	return errs
 }
 
 func isNilFunc[T any](s Stage[T]) bool {
@@ -409,6 +478,9 @@ func (p *Pipeline[T]) Submit(ctx context.Context, item T) error {
 		e.start = nanotime()
 	}
 	first := p.stages[0]
+	if first.keyed != nil {
+		return p.submitKeyed(ctx, e, true)
+	}
 	select {
 	case first.queue <- e:
 		return nil
@@ -440,6 +512,9 @@ func (p *Pipeline[T]) TrySubmit(item T) error {
 		e.start = nanotime()
 	}
 	first := p.stages[0]
+	if first.keyed != nil {
+		return p.submitKeyed(nil, e, false)
+	}
 	select {
 	case first.queue <- e:
 		return nil
@@ -512,12 +587,21 @@ func (p *Pipeline[T]) Close(ctx context.Context) error {
 			p.closeErr = fmt.Errorf("pipeline: drain: %w", ctx.Err())
 			p.canceled.Store(true)
 			p.hardCancel()
+			for _, s := range p.stages {
+				if s.keyed != nil {
+					s.keyed.wakeAll(false, true)
+				}
+			}
 			<-drained
 		}
 		// Every accepted item has reached the sink and intake is closed, so
 		// nothing can send on a queue any more: closing them is safe and
 		// lets the workers return.
 		for _, s := range p.stages {
+			if s.keyed != nil {
+				s.keyed.wakeAll(true, false)
+				continue
+			}
 			close(s.queue)
 		}
 		p.workers.Wait()
@@ -664,6 +748,12 @@ func (p *Pipeline[T]) forward(w *worker, from int, e envelope[T]) {
 		if e.fail != nil && !next.cfg.SeesFailed {
 			next.m.skipped.Add(1)
 			continue
+		}
+		if next.keyed != nil {
+			if p.sendKeyed(w, next, &e) {
+				return
+			}
+			continue // refused: e failed there
 		}
 		select {
 		case next.queue <- e: // room: one channel operation

@@ -103,6 +103,8 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 	// The HTTP endpoint first: a port in use is a configuration error
 	// found before anything else is started.
 	var ready atomic.Bool
+	// debug holds the role's /debug/... handlers once the node is up.
+	var debugPeers, debugKV atomic.Pointer[http.Handler]
 	var httpSrv *http.Server
 	var metricsAddr string
 	if cfg.Node.MetricsAddr != "" {
@@ -121,6 +123,15 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 			}
 			io.WriteString(w, "ready\n")
 		})
+		for path, h := range map[string]*atomic.Pointer[http.Handler]{"/debug/peers": &debugPeers, "/debug/kv": &debugKV} {
+			mux.HandleFunc(path, func(w http.ResponseWriter, r *http.Request) {
+				if hp := h.Load(); hp != nil {
+					(*hp).ServeHTTP(w, r)
+					return
+				}
+				http.Error(w, "not served by this role (or not started yet)\n", http.StatusNotFound)
+			})
+		}
 		if cfg.Node.Pprof {
 			mux.HandleFunc("/debug/pprof/", pprof.Index)
 			mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
@@ -148,6 +159,14 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 		defer cancel()
 		n.Close(closeCtx)
 		return err
+	}
+	if n.Peers != nil {
+		var h http.Handler = n.Peers
+		debugPeers.Store(&h)
+	}
+	if n.Prefill != nil {
+		var h http.Handler = n.Prefill
+		debugKV.Store(&h)
 	}
 	ready.Store(true)
 	// One line on stdout that launchers (the demo, tests) can read.

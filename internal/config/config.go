@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvflow/kvflow/hw/mooncake"
 	"github.com/kvflow/kvflow/hw/npu"
+	"github.com/kvflow/kvflow/internal/peers"
 	"github.com/kvflow/kvflow/stages/handshake"
 	"github.com/kvflow/kvflow/stages/notify"
 	"github.com/kvflow/kvflow/stages/plan"
@@ -40,6 +41,9 @@ type Config struct {
 	Read Read `json:"read"`
 	// Notify configures DONE_RECVING messages and their ACKs.
 	Notify Notify `json:"notify"`
+	// Peers isolates prefill peers on a decode worker (per-peer queues in
+	// the read and notify stages) and tracks their health.
+	Peers Peers `json:"peers"`
 	// Tracker configures the prefill side's delayed frees.
 	Tracker Tracker `json:"tracker"`
 	// Shutdown configures the two-phase shutdown.
@@ -277,6 +281,10 @@ type Read = read.Config
 // RENEW client's timeout, attempts and backoff.
 type Notify = notify.Config
 
+// Peers is a decode worker's prefill-peer isolation and health
+// (internal/peers owns its fields, defaults and checks).
+type Peers = peers.Config
+
 // Tracker configures the prefill side's delayed frees.
 type Tracker struct {
 	// AbortRequestTimeout force-frees a request not DONE within it (vLLM's
@@ -302,6 +310,10 @@ type Tracker struct {
 	// message (done_batch_msg); seed decode workers never do. False makes
 	// every decode worker send plain DONE_RECVING, one per request.
 	BatchDone bool `json:"batch_done"`
+	// HeldAgeAlert (prefill): a request held (awaiting DONEs) longer than
+	// this counts in kvflow_tracker_requests_held_past_age and is flagged
+	// in /debug/kv: stranded blocks, freed only at the abort timeout.
+	HeldAgeAlert Duration `json:"held_age_alert"`
 }
 
 // Shutdown configures the two-phase shutdown.
@@ -423,6 +435,7 @@ func Default() Config {
 		Handshake: handshake.DefaultConfig(),
 		Read:      read.DefaultConfig(),
 		Notify:    notify.DefaultConfig(),
+		Peers:     peers.DefaultConfig(),
 		Tracker: Tracker{
 			// vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default, which the
 			// seed uses.
@@ -438,6 +451,10 @@ func Default() Config {
 			// DONEs to one peer: 0.43 messages per DONE), no added
 			// latency when idle; negotiated, so seed peers are unaffected.
 			BatchDone: true,
+			// A request's blocks are read within seconds of its send: two
+			// minutes held is a decode that never came, long before the
+			// 480 s abort timeout frees the blocks.
+			HeldAgeAlert: Duration(120 * time.Second),
 		},
 		Shutdown: Shutdown{
 			// Inside Kubernetes' default 30 s termination grace period,

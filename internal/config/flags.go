@@ -83,6 +83,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	c.registerStageFlags(fs)
 	fs.Var(&c.Tracker.AbortRequestTimeout, "abort-timeout", "prefill: force-free requests not DONE within this, as VLLM_NIXL_ABORT_REQUEST_TIMEOUT; decode: the prefill's, assumed for peers without leases (reads that would start later are refused; keep them equal) (tracker.abort_request_timeout)")
 	fs.Var(&c.Tracker.LeaseTTL, "lease-ttl", "prefill: advertise leases; a RENEW keeps a request held this long, 0 = off (tracker.lease_ttl)")
+	fs.Var(&c.Tracker.HeldAgeAlert, "held-age-alert", "prefill: requests held longer than this count in kvflow_tracker_requests_held_past_age (tracker.held_age_alert)")
 	fs.BoolVar(&c.Tracker.BatchDone, "batch-done", c.Tracker.BatchDone, "prefill: advertise batched DONEs to kvflow decode workers (tracker.batch_done)")
 	fs.Var(&c.Shutdown.DrainTimeout, "drain-timeout", "shutdown: time to finish accepted requests before canceling (shutdown.drain_timeout)")
 

@@ -86,6 +86,7 @@ func (c *Config) sections() []section {
 		{"handshake", c.Handshake.Validate, c.Handshake.RegisterFlags},
 		{"read", c.Read.Validate, c.Read.RegisterFlags},
 		{"notify", c.Notify.Validate, c.Notify.RegisterFlags},
+		{"peers", c.Peers.Validate, c.Peers.RegisterFlags},
 	}
 }
 

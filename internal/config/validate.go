@@ -241,6 +241,7 @@ func (c Config) validateNode(v *validator) {
 func (c Config) validateSettings(v *validator) {
 	c.validateStages(v)
 	v.positive("tracker.abort_request_timeout", c.Tracker.AbortRequestTimeout)
+	v.positive("tracker.held_age_alert", c.Tracker.HeldAgeAlert)
 	if l := c.Tracker.LeaseTTL; l != 0 && l < Duration(MinLeaseTTL) {
 		v.add("tracker.lease_ttl", "must be 0 (off) or >= %s, got %s", MinLeaseTTL, l.D())
 	}

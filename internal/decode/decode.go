@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvflow/kvflow/hw/npu"
+	"github.com/kvflow/kvflow/internal/peers"
 	"github.com/kvflow/kvflow/pipeline"
 	"github.com/kvflow/kvflow/stages/handshake"
 	"github.com/kvflow/kvflow/stages/job"
@@ -102,6 +103,13 @@ type Options struct {
 	Handshake handshake.Config
 	Read      read.Config
 	Notify    notify.Config
+	// Peers keys the read and notify stages by prefill peer (peers.go);
+	// the zero value is peers.DefaultConfig.
+	Peers peers.Config
+	// Health, if set, fails requests to prefill peers it marks down at
+	// once (reason peer_down) and is fed the reads' and DONEs' outcomes
+	// (health.go). Its probe loop is the caller's to run.
+	Health *peers.Tracker
 	// BlockSize is the tokens per block; with it and a
 	// transfer that lays out strided rows (read.Capabilities.LocalStride)
 	// the read stage fuses the head transpose into the reads (unless
@@ -201,10 +209,16 @@ func New(o Options) (*Worker, error) {
 	if o.Notify == (notify.Config{}) {
 		o.Notify = notify.DefaultConfig()
 	}
+	if o.Peers == (peers.Config{}) {
+		o.Peers = peers.DefaultConfig()
+	}
+	if o.Health != nil {
+		o.Sender = newHealthSender(o.Sender, o.Health)
+	}
 	for _, c := range []struct {
 		name string
 		err  error
-	}{{"handshake", o.Handshake.Validate()}, {"read", o.Read.Validate()}, {"notify", o.Notify.Validate()}} {
+	}{{"handshake", o.Handshake.Validate()}, {"read", o.Read.Validate()}, {"notify", o.Notify.Validate()}, {"peers", o.Peers.Validate()}} {
 		if c.err != nil {
 			return nil, fmt.Errorf("decode: %s config: %w", c.name, c.err)
 		}
@@ -230,10 +244,15 @@ func New(o Options) (*Worker, error) {
 			return nil, fmt.Errorf("decode: %s stage: %w", row.name, err)
 		}
 		b.hooks.add(st)
+		if o.Health != nil {
+			st = gate(row.name, st, o.Health)
+		}
 		size := *row.size(&o.Stages)
-		stages = append(stages, pipeline.StageConfig[*job.Job]{
+		sc := pipeline.StageConfig[*job.Job]{
 			Name: row.name, Workers: size.Workers, Capacity: size.Queue, Stage: st, SeesFailed: row.seesFailed,
-		})
+		}
+		keyed(o.Peers, &sc)
+		stages = append(stages, sc)
 	}
 	w.hooks, w.hs, w.rn = b.hooks, b.hs.Cache, b.pl.Leases()
 	p, err := pipeline.New(pipeline.Config[*job.Job]{

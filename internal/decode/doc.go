@@ -25,6 +25,14 @@
 //
 // See docs/request-path.md for one request's path, hop by hop.
 //
+// Prefill peers are kept apart (peers.go, health.go): the read and notify
+// stages are keyed pipeline stages with one queue per peer (PeerKey: the
+// remote engine id and the side-channel endpoints of the request's tasks),
+// so a slow or wedged prefill rank holds only its share of their workers
+// and queues (Options.Peers); with Options.Health, a peer marked down has
+// its requests fail at once at handshake and read (reason peer_down) and
+// its DONEs skipped until a probe finds it back.
+//
 // Every loaded request ends exactly once, in Finished's done list or in its
 // failed list with the request's local block ids and a reason — never both,
 // never neither (the seed reports failed transfers as done; kvflow does

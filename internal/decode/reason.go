@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 
+	"github.com/kvflow/kvflow/internal/peers"
 	"github.com/kvflow/kvflow/pipeline"
 	"github.com/kvflow/kvflow/stages/handshake"
 	"github.com/kvflow/kvflow/stages/job"
@@ -20,6 +21,9 @@ var failureReasons = []string{
 	"stale",          // refused as a stale read (abort timeout passed, lease lost)
 	"peer_restarted", // the prefill rank restarted and lost the request's blocks
 	"short_read",     // the byte ledger showed ops not fully landed
+	"peer_down",      // its prefill peer was marked down (failed in a row; probed until it answers)
+	"peer_stalled",   // its prefill peer's queue was full and none of its reads (DONEs) succeeded for the stall time
+	"too_many_peers", // more distinct prefill peers than read.max_peers at once
 	"handshake",      // metadata fetch failed (peer down, bad metadata, ...)
 	"read",           // the transfer failed (refused, connection lost, ...)
 	"stitch",         // the head transpose failed
@@ -45,6 +49,12 @@ func failureReason(err error, stage string) string {
 		return "peer_restarted"
 	case errors.Is(err, read.ErrShortfall):
 		return "short_read"
+	case errors.Is(err, peers.ErrPeerDown):
+		return "peer_down"
+	case errors.Is(err, pipeline.ErrKeyStalled):
+		return "peer_stalled"
+	case errors.Is(err, pipeline.ErrTooManyKeys):
+		return "too_many_peers"
 	case errors.Is(err, context.DeadlineExceeded):
 		return "timeout"
 	}

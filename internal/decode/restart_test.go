@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvflow/kvflow/internal/peers"
 	"github.com/kvflow/kvflow/stages/job"
 	"github.com/kvflow/kvflow/stages/read"
 )
@@ -120,7 +121,11 @@ func TestRestartBeforeAdmissionOneRefetch(t *testing.T) {
 // process; one GET_META serves them all.
 func TestRestartAfterAdmissionFails(t *testing.T) {
 	p := newRestartingPeer(time.Now().Add(-time.Hour))
-	w := restartWorker(t, p)
+	// Every read worker may read this one peer.
+	w := restartWorker(t, p, func(o *Options) {
+		o.Peers = peers.DefaultConfig()
+		o.Peers.ReadWorkers = DefaultStageSizes().Read.Workers
+	})
 	warm(t, w)
 	gate := make(chan struct{})
 	p.mu.Lock()

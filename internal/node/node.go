@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -15,6 +16,7 @@ import (
 	"github.com/kvflow/kvflow/hw/npu"
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/decode"
+	"github.com/kvflow/kvflow/internal/peers"
 	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/sidechannel"
 	"github.com/kvflow/kvflow/stages/plan"
@@ -53,6 +55,8 @@ type Node struct {
 	Server  *sidechannel.Server
 	Decode  *decode.Worker
 	Prefill *prefill.Worker
+	// Peers (decode) is the prefill peers' health, served at /debug/peers.
+	Peers *peers.Tracker
 	// Curve is the side channel's CURVE configuration when auth.mode is
 	// curve (nil: plain, seed-compatible).
 	Curve *sidechannel.Curve
@@ -149,6 +153,22 @@ func (n *Node) startDecode(log *slog.Logger, layout npu.Layout) error {
 	if a, ok := n.Engine.(mooncake.PeerAuthenticator); ok {
 		fetch.creds = a
 	}
+	health, err := peers.New(peers.Options{
+		DownAfter: cfg.Peers.DownAfter, ProbeInterval: cfg.Peers.ProbeInterval.D(), MaxPeers: cfg.Peers.MaxPeers,
+		Probe: func(ctx context.Context, endpoint string) error {
+			_, err := fetch.GetMeta(ctx, endpoint)
+			return err
+		},
+		Registerer: n.deps.Registerer, Logger: log,
+	})
+	if err != nil {
+		return err
+	}
+	n.Peers = health
+	probeCtx, stopProbes := context.WithCancel(context.Background())
+	var probes sync.WaitGroup
+	probes.Go(func() { health.Run(probeCtx) })
+	n.closers = append(n.closers, func(context.Context) error { stopProbes(); probes.Wait(); return nil })
 	transfer := read.Engine(n.Engine)
 	if cfg.Node.TEBackend == config.BackendShm {
 		sh := newSameHost(transfer, n.Device, n.deps.Registerer, log)
@@ -172,6 +192,8 @@ func (n *Node) startDecode(log *slog.Logger, layout npu.Layout) error {
 		Handshake:        cfg.Handshake,
 		Read:             cfg.Read,
 		Notify:           cfg.Notify,
+		Peers:            cfg.Peers,
+		Health:           health,
 		BlockSize:        cfg.Model.BlockSize,
 		PeerAbortTimeout: cfg.Tracker.AbortRequestTimeout.D(),
 		OnFinish:         n.deps.OnFinish,
@@ -241,6 +263,7 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 		Topology:     cfg.Topology(),
 		Self:         cfg.Self(),
 		AbortTimeout: cfg.Tracker.AbortRequestTimeout.D(),
+		HeldAgeAlert: cfg.Tracker.HeldAgeAlert.D(),
 		LeaseTTL:     cfg.Tracker.LeaseTTL.D(),
 		NoBatchDone:  !cfg.Tracker.BatchDone,
 		Grants:       grants,

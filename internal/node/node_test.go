@@ -109,12 +109,12 @@ func baseConfig(tp topo, role string, kvPort int) config.Config {
 	return c
 }
 
-func startCluster(t *testing.T, tp topo) *cluster {
+func startCluster(t *testing.T, tp topo, mutate ...func(role string, c *config.Config)) *cluster {
 	t.Helper()
 	var lastErr error
 	for attempt := range 8 {
 		kvPort := 20000 + rand.IntN(30000)
-		c, err := tryCluster(t, tp, kvPort)
+		c, err := tryCluster(t, tp, kvPort, mutate...)
 		if err == nil {
 			return c
 		}
@@ -125,7 +125,7 @@ func startCluster(t *testing.T, tp topo) *cluster {
 	return nil
 }
 
-func tryCluster(t *testing.T, tp topo, kvPort int) (*cluster, error) {
+func tryCluster(t *testing.T, tp topo, kvPort int, mutate ...func(role string, c *config.Config)) (*cluster, error) {
 	c := &cluster{t: t, kvPort: kvPort, results: make(chan decode.Result, 1024), regs: map[*Node]*prometheus.Registry{}}
 	closeAll := func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -140,6 +140,9 @@ func tryCluster(t *testing.T, tp topo, kvPort int) (*cluster, error) {
 			cfg := baseConfig(tp, "prefill", kvPort)
 			cfg.Rank = config.Rank{TP: r, PP: p}
 			cfg.Tracker.BatchDone = !tp.plainDone
+			for _, m := range mutate {
+				m("prefill", &cfg)
+			}
 			shmConfig(t, tp, &cfg)
 			reg := prometheus.NewRegistry()
 			n, err := Start(cfg, Deps{Registerer: reg})
@@ -155,6 +158,9 @@ func tryCluster(t *testing.T, tp topo, kvPort int) (*cluster, error) {
 		for r := range tp.decodeTP {
 			cfg := baseConfig(tp, "decode", kvPort+1000)
 			cfg.Rank = config.Rank{TP: r, PP: p}
+			for _, m := range mutate {
+				m("decode", &cfg)
+			}
 			shmConfig(t, tp, &cfg)
 			reg := prometheus.NewRegistry()
 			n, err := Start(cfg, Deps{Registerer: reg, OnFinish: func(res decode.Result) { c.results <- res }})

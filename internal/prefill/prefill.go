@@ -94,11 +94,14 @@ type Options struct {
 	// MaxEarly and EarlyTTL bound the early DONEs (DONEs for ids not
 	// sent yet) kept waiting for their send; 0 selects the tracker's
 	// defaults (tracker.DefaultMaxEarly, tracker.DefaultEarlyTTL).
-	MaxEarly   int
-	EarlyTTL   time.Duration
-	Now        func() time.Time
-	Registerer prometheus.Registerer
-	Logger     *slog.Logger
+	MaxEarly int
+	EarlyTTL time.Duration
+	// HeldAgeAlert is the age past which a held request counts in
+	// kvflow_tracker_requests_held_past_age (stranded blocks); 0 = 120 s.
+	HeldAgeAlert time.Duration
+	Now          func() time.Time
+	Registerer   prometheus.Registerer
+	Logger       *slog.Logger
 }
 
 // MaxClockSkew is how far in the future a send's delay_start_time may lie:
@@ -225,7 +228,7 @@ func New(o Options) (*Worker, error) {
 		Help: "DONEs for requests not sent yet, kept until their send (bounded by count and age).",
 	}, func() float64 { return float64(w.tr.Stats().Early) }))
 	if o.Registerer != nil {
-		for _, c := range append([]prometheus.Collector{w.sends, w.dones, w.renews, w.freed, w.leaseEnds, w.heldGage, w.noIDs, w.deferGage}, w.early...) {
+		for _, c := range append([]prometheus.Collector{w.sends, w.dones, w.renews, w.freed, w.leaseEnds, w.heldGage, w.noIDs, w.deferGage, w.heldPastGauge()}, w.early...) {
 			if err := o.Registerer.Register(c); err != nil {
 				return nil, fmt.Errorf("prefill: register metrics: %w", err)
 			}

@@ -259,3 +259,39 @@ func TestRoundRatiosEdges(t *testing.T) {
 		t.Errorf("without raw streams: of raw %v %v, ratios %v", none.OfRaw, none.OfRawRounds, none.Ratios)
 	}
 }
+
+// TestSlowPeerRun: the slowpeer workload runs alone then kvflow; every
+// healthy request ends done and verified, every stalled-rank request
+// fails, and the healthy-latency ratios are reported.
+func TestSlowPeerRun(t *testing.T) {
+	var out, errb bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	err := Run(ctx, []string{"--in-process", "--workload", "slowpeer", "--requests", "16", "--layers", "2",
+		"--verify", "-1", "--raw-mib", "0", "--rounds", "1", "--json"}, &out, &errb)
+	if err != nil {
+		t.Fatalf("%v\nstderr: %s", err, errb.String())
+	}
+	var res Result
+	if err := json.Unmarshal(out.Bytes(), &res); err != nil {
+		t.Fatal(err)
+	}
+	rep := res.Reports[0]
+	if len(rep.Runs) != 2 || rep.Runs[0].Mode != ModeAlone || rep.Runs[1].Mode != ModePipeline {
+		t.Fatalf("runs: %+v", rep.Runs)
+	}
+	for _, r := range rep.Runs {
+		if r.Requests != 16 || r.Failed != 0 || r.BadBytes != 0 || r.Verified != 16 {
+			t.Errorf("%s: %+v", r.Mode, r)
+		}
+	}
+	if s := rep.Runs[1].Slow; s == nil || s.Count != 32 || rep.Runs[1].SlowFailed != 32 {
+		t.Errorf("stalled rank: %+v, %d failed", s, rep.Runs[1].SlowFailed)
+	}
+	for _, k := range []string{"healthy_latency_p50", "healthy_latency_p99"} {
+		if _, ok := rep.Ratios[k]; !ok {
+			t.Errorf("no %s in %v", k, rep.Ratios)
+		}
+	}
+	t.Logf("healthy latency with the stalled rank / alone: p50 %.2fx, p99 %.2fx", rep.Ratios["healthy_latency_p50"], rep.Ratios["healthy_latency_p99"])
+}

@@ -44,7 +44,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	// flags on stdout.
 	fs.SetOutput(io.Discard)
 	fs.Usage = func() {}
-	workload := fs.String("workload", All, "workload: "+strings.Join(Names(), ", ")+" or all (all: long, batch and burst at TP 1→1 and 4→2, mixed and small at 1→1)")
+	workload := fs.String("workload", All, "workload: "+strings.Join(Names(), ", ")+", "+SlowPeer+" (healthy-rank latency with a stalled prefill rank's requests among them vs alone; always modes alone,kvflow) or all (all: long, batch and burst at TP 1→1 and 4→2, mixed and small at 1→1)")
 	requests := fs.Int("requests", 0, "requests (mixed: long requests); 0 = the preset's")
 	blocks := fs.Int("blocks", 0, "blocks per request (small: at most; mixed: of the long requests); 0 = the preset's")
 	ptp := fs.Int("prefill-tp", 0, "prefill TP size; 0 = the preset's (with --workload all: both 1 and 4)")

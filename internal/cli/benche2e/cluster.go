@@ -23,13 +23,15 @@ const tag = 0x6b76666c6f77
 // serve` processes (proc.go) or nodes in this process (inproc.go) — with
 // their caches reachable from here.
 type cluster struct {
-	w       Workload
-	kvPort  int    // the prefill instance's kv_port
-	host    string // the prefill host decode dials
-	prefill []rank // by device index
-	decode  []rank // by tp rank
-	col     *collector
-	be      backend
+	w      Workload
+	kvPort int // the prefill instance's kv_port
+	// slowPort is the stalled rank's side channel (slowpeer; 0: none).
+	slowPort int
+	host     string // the prefill host decode dials
+	prefill  []rank // by device index
+	decode   []rank // by tp rank
+	col      *collector
+	be       backend
 }
 
 // rank is one worker's config and cache (its own, or the shm file mapped
@@ -71,6 +73,10 @@ func (w Workload) config(role config.Role, rank, kvPort int, pool, local int) co
 	c.Model = config.Model{NumLayers: w.Layers, NumKVHeads: w.KVHeads, HeadDim: w.HeadDim, BlockSize: w.BlockSize, DType: "bf16", NumBlocks: nb}
 	c.Rank = config.Rank{TP: rank}
 	c.Node.MetricsAddr = ""
+	if w.Slow > 0 && role == config.Decode {
+		// The stalled rank's reads end at this timeout, so a run ends.
+		c.Read.Timeout = config.Duration(SlowReadTimeout)
+	}
 	c.Cache.NoHugePages = true
 	if w.TEBackend != "" {
 		c.Node.TEBackend = w.TEBackend
@@ -139,6 +145,10 @@ func (c *cluster) close() {
 
 // params are a request's kv_transfer_params.
 func (c *cluster) params(r reqSpec) decode.KVTransferParams {
+	if r.slow {
+		return decode.KVTransferParams{RemoteBlockIDs: r.remote, RemoteEngineID: "S", RemoteHost: "127.0.0.1",
+			RemotePort: c.slowPort, RemotePCPSize: 1, RemoteDCPSize: 1}
+	}
 	return decode.KVTransferParams{RemoteBlockIDs: r.remote, RemoteEngineID: "P", RemoteHost: c.host,
 		RemotePort: c.kvPort, RemotePCPSize: 1, RemoteDCPSize: 1}
 }

@@ -18,6 +18,8 @@ func (w Workload) Describe() string {
 		fmt.Fprintf(&b, "%s: %d × %d-block requests at t=0 + %d × 1-block every %v", w.Name, w.Requests, w.Blocks, w.Short, w.Interval)
 	case Small:
 		fmt.Fprintf(&b, "%s: %d requests × 1-%d blocks", w.Name, w.Requests, w.Blocks)
+	case SlowPeer:
+		fmt.Fprintf(&b, "%s: %d × %d-block requests to a healthy prefill rank + %d to a stalled one among them (read.timeout %v)", w.Name, w.Requests, w.Blocks, w.Slow, SlowReadTimeout)
 	default:
 		fmt.Fprintf(&b, "%s: %d requests × %d blocks", w.Name, w.Requests, w.Blocks)
 	}
@@ -54,20 +56,29 @@ func (rep *Report) WriteText(w io.Writer) {
 		for _, c := range []struct {
 			name string
 			l    *Latency
-		}{{"  long", r.Long}, {"  1-block", r.Short}} {
+		}{{"  long", r.Long}, {"  1-block", r.Short}, {"  stalled rank", r.Slow}} {
 			if c.l != nil {
 				fmt.Fprintf(tw, "%s\t%d\t\t\t\t\t\t%s\t%s\t%s\t\t\t\n", c.name, c.l.Count, ms(c.l.P50), ms(c.l.P99), ms(c.l.Max))
 			}
 		}
 	}
 	tw.Flush()
-	if len(rep.Ratios) > 0 {
+	if _, ok := rep.Ratios["gb_per_s"]; ok {
 		fmt.Fprintf(w, "   kvflow/serial%s: GB/s %.2f×, req/s %.2f×, p50 latency %.2f×, p99 latency %.2f×",
 			rep.medianOf(), rep.Ratios["gb_per_s"], rep.Ratios["requests_per_s"], rep.Ratios["latency_p50"], rep.Ratios["latency_p99"])
 		if v, ok := rep.Ratios["short_latency_p50"]; ok {
 			fmt.Fprintf(w, "; 1-block p50 %.3f×, p99 %.3f×", v, rep.Ratios["short_latency_p99"])
 		}
 		fmt.Fprintln(w)
+	}
+	if v, ok := rep.Ratios["healthy_latency_p50"]; ok {
+		fmt.Fprintf(w, "   healthy requests with the stalled rank's / alone%s: p50 latency %.2f×, p99 latency %.2f×, req/s %.2f×\n",
+			rep.medianOf(), v, rep.Ratios["healthy_latency_p99"], rep.Ratios["healthy_requests_per_s"])
+	}
+	for _, r := range rep.Runs {
+		if r.Slow != nil {
+			fmt.Fprintf(w, "   %s: %d of %d stalled-rank requests failed (expected: the rank never answers)\n", rep.runName(r), r.SlowFailed, r.Slow.Count)
+		}
 	}
 	if rep.OfRaw > 0 {
 		fmt.Fprintf(w, "   kvflow / raw TCP (1 conn)%s: %.2f×\n", rep.medianOf(), rep.OfRaw)

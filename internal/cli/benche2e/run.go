@@ -69,21 +69,25 @@ type StageLatency struct {
 
 // RunReport is one mode's figures.
 type RunReport struct {
-	Mode      string         `json:"mode"`
-	Round     int            `json:"round"` // from 0
-	Requests  int            `json:"requests"`
-	Failed    int            `json:"failed"`
-	Bytes     uint64         `json:"bytes"`
-	Wall      time.Duration  `json:"wall_ns"`
-	GBps      float64        `json:"gb_per_s"`
-	ReqPerSec float64        `json:"requests_per_s"`
-	All       Latency        `json:"latency"`
-	Long      *Latency       `json:"latency_long,omitempty"`  // mixed only
-	Short     *Latency       `json:"latency_short,omitempty"` // mixed only
-	Stages    []StageLatency `json:"stages"`
-	Verified  int            `json:"verified_requests"`
-	BadBytes  int64          `json:"bad_bytes"`
-	FirstErr  string         `json:"first_error,omitempty"`
+	Mode      string        `json:"mode"`
+	Round     int           `json:"round"` // from 0
+	Requests  int           `json:"requests"`
+	Failed    int           `json:"failed"`
+	Bytes     uint64        `json:"bytes"`
+	Wall      time.Duration `json:"wall_ns"`
+	GBps      float64       `json:"gb_per_s"`
+	ReqPerSec float64       `json:"requests_per_s"`
+	All       Latency       `json:"latency"`
+	Long      *Latency      `json:"latency_long,omitempty"`  // mixed only
+	Short     *Latency      `json:"latency_short,omitempty"` // mixed only
+	// Slowpeer only: the stalled rank's requests (all expected to fail;
+	// not in the other figures, which are the healthy requests').
+	Slow       *Latency       `json:"latency_slow,omitempty"`
+	SlowFailed int            `json:"slow_failed,omitempty"`
+	Stages     []StageLatency `json:"stages"`
+	Verified   int            `json:"verified_requests"`
+	BadBytes   int64          `json:"bad_bytes"`
+	FirstErr   string         `json:"first_error,omitempty"`
 }
 
 // Report is one workload's result.
@@ -132,6 +136,10 @@ func Bench(ctx context.Context, o Options) (*Report, error) {
 	if len(o.Modes) == 0 {
 		o.Modes = []string{ModePipeline, ModeSerial}
 	}
+	if w.Slow > 0 {
+		// The healthy requests alone, then with the stalled rank's.
+		o.Modes = []string{ModeAlone, ModePipeline}
+	}
 	if o.Timeout <= 0 {
 		o.Timeout = 5 * time.Minute
 	}
@@ -178,6 +186,13 @@ func Bench(ctx context.Context, o Options) (*Report, error) {
 		return nil, fmt.Errorf("bench e2e: start workers: %w", err)
 	}
 	defer c.close()
+	if w.Slow > 0 {
+		stop, err := c.startSlowPeer(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("bench e2e: start the stalled rank: %w", err)
+		}
+		defer stop()
+	}
 	rep.Workers = c.be.describe()
 	reqs, _, _ := w.requests()
 	// Warm up: handshakes cached, engine connections open. Processes map
@@ -187,7 +202,7 @@ func Bench(ctx context.Context, o Options) (*Report, error) {
 	r0 := reqs[0]
 	warm, wmode := []reqSpec{{blocks: 1, local: r0.local[:1], remote: r0.remote[:1]}}, ModeSerial
 	if o.Process != nil {
-		warm, wmode = slices.Clone(reqs), ModePipeline
+		warm, wmode = healthy(reqs), ModePipeline
 		for i := range warm {
 			warm[i].arrival = 0
 		}
@@ -292,7 +307,7 @@ func (rep *Report) ratios() {
 	per := map[string][]float64{}
 	for round := range rep.Rounds {
 		// With several runs of a mode in one round, its fastest.
-		var kv, se *RunReport
+		var kv, se, al *RunReport
 		for i := range rep.Runs {
 			r := &rep.Runs[i]
 			if r.Round != round {
@@ -303,6 +318,21 @@ func (rep *Report) ratios() {
 				kv = r
 			case r.Mode == ModeSerial && (se == nil || r.Wall < se.Wall):
 				se = r
+			case r.Mode == ModeAlone && (al == nil || r.Wall < al.Wall):
+				al = r
+			}
+		}
+		if kv != nil && al != nil {
+			// slowpeer: the healthy requests with the stalled rank's
+			// among them, over the same alone (latency: below 1 is better).
+			for k, v := range map[string]float64{
+				"healthy_latency_p50":    lat(&kv.All, &al.All, false),
+				"healthy_latency_p99":    lat(&kv.All, &al.All, true),
+				"healthy_requests_per_s": div(kv.ReqPerSec, al.ReqPerSec),
+			} {
+				if !math.IsNaN(v) && !math.IsInf(v, 0) {
+					per[k] = append(per[k], v)
+				}
 			}
 		}
 		if c := rep.ceiling(round); kv != nil && c > 0 {
@@ -348,19 +378,25 @@ func (rep *Report) ratios() {
 func (c *cluster) run(ctx context.Context, prefix, mode string, reqs []reqSpec, nverify int, timeout time.Duration) (*RunReport, error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
+	name := mode
+	if mode == ModeAlone {
+		reqs, mode = healthy(reqs), ModePipeline
+	}
 	ids := make([]string, len(reqs))
 	for i := range reqs {
 		ids[i] = fmt.Sprintf("%s-%d", prefix, i)
 	}
 	// The prefill side holds every request before decode asks.
-	sends := make([]prefill.SendRequest, len(reqs))
+	sends := make([]prefill.SendRequest, 0, len(reqs))
 	for i, r := range reqs {
-		sends[i] = prefill.SendRequest{RequestID: ids[i], BlockIDs: r.remote}
+		if !r.slow { // the stalled rank is not the real prefill
+			sends = append(sends, prefill.SendRequest{RequestID: ids[i], BlockIDs: r.remote})
+		}
 	}
 	if err := c.be.send(ctx, sends); err != nil {
 		return nil, err
 	}
-	sample := sampleIdx(len(reqs), nverify)
+	sample := slices.DeleteFunc(sampleIdx(len(reqs), nverify), func(i int) bool { return reqs[i].slow })
 	for _, i := range sample {
 		c.clear(reqs[i])
 	}
@@ -415,11 +451,19 @@ func (c *cluster) run(ctx context.Context, prefix, mode string, reqs []reqSpec, 
 			return nil, err
 		}
 	}
-	rr := &RunReport{Mode: mode, Requests: len(reqs)}
+	rr := &RunReport{Mode: name, Requests: len(reqs)}
 	var end time.Time
-	var all, long, short []time.Duration
+	var all, long, short, slow []time.Duration
 	for i, p := range pend {
 		fin, n, err := c.col.result(p)
+		if reqs[i].slow {
+			slow = append(slow, fin.Sub(start.Add(reqs[i].arrival)))
+			rr.Requests--
+			if err != nil {
+				rr.SlowFailed++
+			}
+			continue
+		}
 		if fin.After(end) {
 			end = fin
 		}
@@ -440,11 +484,15 @@ func (c *cluster) run(ctx context.Context, prefix, mode string, reqs []reqSpec, 
 	}
 	rr.Wall = end.Sub(start)
 	rr.GBps = float64(rr.Bytes) / rr.Wall.Seconds() / 1e9
-	rr.ReqPerSec = float64(len(reqs)) / rr.Wall.Seconds()
+	rr.ReqPerSec = float64(rr.Requests) / rr.Wall.Seconds()
 	rr.All = summarize(all)
 	if len(short) > 0 {
 		s, l := summarize(short), summarize(long)
 		rr.Short, rr.Long = &s, &l
+	}
+	if len(slow) > 0 {
+		s := summarize(slow)
+		rr.Slow = &s
 	}
 	rr.Stages = stageDelta(before, c.be.stages(ctx))
 	for _, i := range sample {
@@ -458,6 +506,11 @@ func (c *cluster) run(ctx context.Context, prefix, mode string, reqs []reqSpec, 
 	// Drain the workers' finished lists so long runs keep memory flat.
 	c.be.drain(ctx)
 	return rr, nil
+}
+
+// healthy is reqs without the stalled rank's (slowpeer).
+func healthy(reqs []reqSpec) []reqSpec {
+	return slices.DeleteFunc(slices.Clone(reqs), func(r reqSpec) bool { return r.slow })
 }
 
 // sampleIdx is n indices spread evenly over [0, total), all when n < 0.

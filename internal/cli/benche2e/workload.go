@@ -21,6 +21,10 @@ type Workload struct {
 	// Interval from the start, while the long ones run.
 	Short    int           `json:"short,omitempty"`
 	Interval time.Duration `json:"interval_ns,omitempty"`
+	// Slow (slowpeer only): requests to a stalled prefill rank (its side
+	// channel answers, its transfer engine never does), loaded among the
+	// others, one after every Requests/Slow healthy ones.
+	Slow int `json:"slow,omitempty"`
 
 	PrefillTP int `json:"prefill_tp"`
 	DecodeTP  int `json:"decode_tp"`
@@ -46,7 +50,12 @@ const (
 	Burst = "burst"
 	Mixed = "mixed"
 	Small = "small"
-	All   = "all"
+	// SlowPeer is burst-like traffic to a healthy prefill rank with some
+	// requests to a stalled one among it: run "alone" (the healthy
+	// requests only) and "kvflow" (with the stalled ones), it shows what
+	// the stalled rank costs the healthy rank's requests. Not in "all".
+	SlowPeer = "slowpeer"
+	All      = "all"
 )
 
 // Names lists the presets in the order "all" runs them.
@@ -78,6 +87,12 @@ func Preset(name string) (Workload, error) {
 		// arrive while they run.
 		w.Requests, w.Blocks, w.Short, w.Interval = 4, 128, 64, 4*time.Millisecond
 		return llama(w), nil
+	case SlowPeer:
+		// 256 one-block requests to the healthy rank and 32 to a
+		// stalled one: the stalled rank's requests take up to 24 of
+		// the 32 read workers (read.peer_workers) until read.timeout.
+		w.Requests, w.Blocks, w.Slow = 256, 1, 32
+		return llama(w), nil
 	case Small:
 		// A TP-8 deployment's rank: block 16, one KV head per prefill
 		// rank (KVHeads follows the prefill TP), 1-8 blocks per request.
@@ -101,6 +116,7 @@ func (w Workload) BlockBytes() int64 { return int64(w.Layers) * w.bytesPerLayerB
 type reqSpec struct {
 	blocks  int
 	short   bool          // mixed: a 1-block request
+	slow    bool          // slowpeer: to the stalled rank
 	arrival time.Duration // offset from the start of the run
 	local   []int         // decode block ids (distinct across the run)
 	remote  []int         // prefill block ids (shared pool, read only)
@@ -119,6 +135,22 @@ func (w Workload) requests() (reqs []reqSpec, localBlocks, poolBlocks int) {
 	}
 	for i := range w.Short {
 		reqs = append(reqs, reqSpec{blocks: 1, short: true, arrival: time.Duration(i+1) * w.Interval})
+	}
+	if w.Slow > 0 {
+		every := max(1, w.Requests/w.Slow)
+		mixed := make([]reqSpec, 0, len(reqs)+w.Slow)
+		added := 0
+		for i, r := range reqs {
+			mixed = append(mixed, r)
+			if (i+1)%every == 0 && added < w.Slow {
+				mixed = append(mixed, reqSpec{blocks: w.Blocks, slow: true})
+				added++
+			}
+		}
+		for ; added < w.Slow; added++ {
+			mixed = append(mixed, reqSpec{blocks: w.Blocks, slow: true})
+		}
+		reqs = mixed
 	}
 	sort.SliceStable(reqs, func(i, j int) bool { return reqs[i].arrival < reqs[j].arrival })
 	maxN := 0
@@ -170,6 +202,9 @@ func (w *Workload) Size(maxMem int64) (int64, error) {
 	}
 	if w.Layers < 0 || w.Layers > w.ModelLayers {
 		errs = append(errs, fmt.Errorf("layers: %d, want 0 (auto) .. %d", w.Layers, w.ModelLayers))
+	}
+	if w.Slow < 0 || (w.Name == SlowPeer && w.Slow < 1) {
+		errs = append(errs, fmt.Errorf("slow: %d requests to the stalled rank, want >= 1 (slowpeer) or 0", w.Slow))
 	}
 	if w.Name == Mixed && (w.Short < 1 || w.Interval <= 0) {
 		errs = append(errs, fmt.Errorf("mixed: %d short requests every %v, want >= 1 and > 0", w.Short, w.Interval))

@@ -1,9 +1,11 @@
 package tracker
 
 import (
+	"cmp"
 	"container/list"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 )
@@ -728,4 +730,59 @@ func (t *Tracker) drop(e *entry) {
 	t.mem.Remove(e.el)
 	e.el = nil
 	delete(t.byID, e.id)
+}
+
+// Held is one held request as Inventory lists it (/debug/kv).
+type Held struct {
+	RequestID string `json:"request_id"`
+	Blocks    int    `json:"blocks"`
+	// Age is the time since its delay started (the send).
+	Age           time.Duration `json:"age_ns"`
+	ExpectedDones int           `json:"expected_dones"`
+	DonesSeen     int           `json:"dones_seen"`
+	// Leased: a RENEW arrived; LeaseRemaining is then the time until it
+	// is force-freed unless renewed again. Otherwise AbortIn is the time
+	// until the abort timeout force-frees it.
+	Leased         bool          `json:"leased"`
+	LeaseRemaining time.Duration `json:"lease_remaining_ns,omitempty"`
+	AbortIn        time.Duration `json:"abort_in_ns,omitempty"`
+}
+
+// Inventory lists every held request (awaiting DONEs), oldest delay start
+// first, as of now. It copies; the tracker is unchanged.
+func (t *Tracker) Inventory(now time.Time) []Held {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := make([]Held, 0, t.held.Len()+t.leased.Len())
+	for _, l := range []*list.List{t.held, t.leased} {
+		for el := l.Front(); el != nil; el = el.Next() {
+			e := el.Value.(*entry)
+			h := Held{RequestID: e.id, Blocks: len(e.blocks), Age: now.Sub(e.start), ExpectedDones: e.expected,
+				DonesSeen: e.received, Leased: e.leased}
+			if e.leased {
+				h.LeaseRemaining = e.lease.Sub(now)
+			} else {
+				h.AbortIn = e.start.Add(t.opts.AbortTimeout).Sub(now)
+			}
+			out = append(out, h)
+		}
+	}
+	slices.SortStableFunc(out, func(a, b Held) int { return cmp.Compare(b.Age, a.Age) })
+	return out
+}
+
+// HeldPast counts the held requests whose delay started more than age
+// before now.
+func (t *Tracker) HeldPast(now time.Time, age time.Duration) int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	n := 0
+	for _, l := range []*list.List{t.held, t.leased} {
+		for el := l.Front(); el != nil; el = el.Next() {
+			if now.Sub(el.Value.(*entry).start) > age {
+				n++
+			}
+		}
+	}
+	return n
 }

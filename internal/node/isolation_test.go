@@ -1,0 +1,222 @@
+package node
+
+import (
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvflow/kvflow/internal/config"
+	"github.com/kvflow/kvflow/internal/decode"
+	"github.com/kvflow/kvflow/internal/prefill"
+	"github.com/kvflow/kvflow/internal/sidechannel"
+)
+
+// fakeSideChannel serves GET_META with md and DONE with done on a side
+// channel of its own (real ZMQ sockets on loopback). It returns the port.
+func fakeSideChannel(t *testing.T, md sidechannel.Metadata, done func(string) error) int {
+	t.Helper()
+	zctx, err := sidechannel.NewContext(sidechannel.ContextOptions{CloseTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, err := sidechannel.NewServer(zctx, sidechannel.ServerOptions{Addr: "127.0.0.1:0"},
+		sidechannel.HandlerFuncs{MetadataFunc: func() sidechannel.Metadata { return md }, DoneFunc: done})
+	if err != nil {
+		zctx.Close()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close(); zctx.Close() })
+	_, port, _ := strings.Cut(srv.Addr(), ":")
+	var p int
+	fmt.Sscan(port, &p)
+	return p
+}
+
+// isolationCluster is a TP 1→1 prefill/decode pair whose decode fails a
+// wedged peer's overflow after stall (read and notify), reads for at most
+// readTimeout and sends DONEs with notify's short test timeouts.
+func isolationCluster(t *testing.T, stall, readTimeout time.Duration) *cluster {
+	return startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2)}, func(role string, c *config.Config) {
+		c.Peers.ReadStall = config.Duration(stall)
+		c.Peers.NotifyStall = config.Duration(stall)
+		c.Read.Timeout = config.Duration(readTimeout)
+	})
+}
+
+// results collects decode results by request id.
+type results struct {
+	mu  sync.Mutex
+	got map[string]decode.Result
+}
+
+func (r *results) drain(t *testing.T, c *cluster, want int, within time.Duration) {
+	t.Helper()
+	deadline := time.After(within)
+	for {
+		r.mu.Lock()
+		n := len(r.got)
+		r.mu.Unlock()
+		if n >= want {
+			return
+		}
+		select {
+		case res := <-c.results:
+			r.mu.Lock()
+			if _, dup := r.got[res.RequestID]; dup {
+				t.Errorf("request %s ended twice", res.RequestID)
+			}
+			r.got[res.RequestID] = res
+			r.mu.Unlock()
+		case <-deadline:
+			t.Fatalf("%d of %d results within %v", n, want, within)
+		}
+	}
+}
+
+// aloneLatency pulls one request from the healthy prefill and returns its
+// latency (the figure the healthy request under a wedged peer is held to).
+func aloneLatency(t *testing.T, c *cluster, id string, block int) time.Duration {
+	t.Helper()
+	c.prefill[0].Prefill.Send([]prefill.SendRequest{{RequestID: id, BlockIDs: []int{block}}})
+	if err := load(t, c.decode[0], id, []int{block}, []int{block}, c.kvPort, "P"); err != nil {
+		t.Fatal(err)
+	}
+	r := waitResult(t, c, 10*time.Second)
+	if r.Err != nil || r.RequestID != id {
+		t.Fatalf("%s: %+v", id, r)
+	}
+	return r.Latency
+}
+
+// TestSlowPeerDoesNotHoldOthers: 150 requests to a wedged prefill rank (its
+// side channel answers, its transfer engine port accepts connections and
+// never answers) and then one to a healthy rank, over real sockets. The
+// wedged rank's requests hold only its share of the read stage; once it
+// is stalled (peers.read_stall) its overflow fails at once instead of
+// holding the stages before read, so the healthy request finishes about
+// as fast as alone plus the stall time; every wedged request fails with a
+// reason (timeout once read.timeout passes, or peer_stalled).
+func TestSlowPeerDoesNotHoldOthers(t *testing.T) {
+	const stall, readTimeout = 100 * time.Millisecond, time.Second
+	c := isolationCluster(t, stall, readTimeout)
+	aloneLatency(t, c, "warm", 1)
+	alone := aloneLatency(t, c, "alone", 2)
+
+	md := c.prefill[0].Prefill.Metadata()
+	md.EngineID = "S"
+	md.TERPCPort = silentPeer(t) // the transfer engine never answers
+	md.Ext.LeaseTTL = 0
+	wedged := fakeSideChannel(t, md, nil)
+
+	d := c.decode[0]
+	res := &results{got: map[string]decode.Result{}}
+	start := time.Now()
+	for i := range 150 {
+		if err := load(t, d, fmt.Sprint("wedged-", i), []int{3 + i%8}, []int{1}, wedged, "S"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c.prefill[0].Prefill.Send([]prefill.SendRequest{{RequestID: "healthy", BlockIDs: []int{3}}})
+	if err := load(t, d, "healthy", []int{12}, []int{3}, c.kvPort, "P"); err != nil {
+		t.Fatal(err)
+	}
+	loaded := time.Since(start)
+	res.drain(t, c, 151, 60*time.Second)
+	h := res.got["healthy"]
+	if h.Err != nil {
+		t.Fatalf("healthy request: %v", h.Err)
+	}
+	reasons := map[string]int{}
+	for id, r := range res.got {
+		if id == "healthy" {
+			continue
+		}
+		if r.Err == nil {
+			t.Fatalf("%s: done from a wedged peer", id)
+		}
+		switch msg := r.Err.Error(); {
+		case strings.Contains(msg, "key stalled"):
+			reasons["peer_stalled"]++
+		case strings.Contains(msg, "deadline exceeded"), strings.Contains(msg, "timeout"):
+			reasons["timeout"]++
+		default:
+			reasons["other"]++
+			t.Logf("%s: %v", id, r.Err)
+		}
+	}
+	ratio := float64(h.Latency) / float64(alone)
+	t.Logf("healthy request: %v under 150 wedged (loads took %v), %v alone (%.1fx; stall %v); wedged ended %v",
+		h.Latency.Round(time.Microsecond), loaded.Round(time.Microsecond), alone.Round(time.Microsecond), ratio, stall, reasons)
+	// Generous: the stall detection plus five times the time alone, far
+	// below the wedged reads' own timeout.
+	if limit := stall + 5*alone + 100*time.Millisecond; h.Latency > limit {
+		t.Fatalf("healthy request took %v under a wedged peer, want < %v (alone %v, stall %v)", h.Latency, limit, alone, stall)
+	}
+	if reasons["other"] > 0 {
+		t.Fatalf("wedged requests failed for other reasons: %v", reasons)
+	}
+}
+
+// TestSlowDonePeerDoesNotHoldOthers: the same for DONEs. 150 requests are
+// read from a prefill rank whose transfer engine works but whose side
+// channel never ACKs a DONE (it answered GET_META before); a request to a
+// healthy rank still ends about as fast as alone plus the stall time.
+func TestSlowDonePeerDoesNotHoldOthers(t *testing.T) {
+	const stall, readTimeout = 100 * time.Millisecond, 5 * time.Second
+	c := isolationCluster(t, stall, readTimeout)
+	slow := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2)}) // its prefill serves the reads
+	aloneLatency(t, c, "warm", 1)
+	alone := aloneLatency(t, c, "alone", 2)
+
+	md := slow.prefill[0].Prefill.Metadata()
+	md.Ext.LeaseTTL, md.Ext.BatchDone = 0, false
+	hold := make(chan struct{})
+	wedged := fakeSideChannel(t, md, func(string) error { <-hold; return nil })
+	t.Cleanup(func() { close(hold) }) // before the server's Close (cleanups run last first)
+
+	d := c.decode[0]
+	var sends []prefill.SendRequest
+	for i := range 150 {
+		sends = append(sends, prefill.SendRequest{RequestID: fmt.Sprint("wedged-", i), BlockIDs: []int{1}})
+	}
+	slow.prefill[0].Prefill.Send(sends)
+	res := &results{got: map[string]decode.Result{}}
+	for i := range 150 {
+		if err := load(t, d, fmt.Sprint("wedged-", i), []int{3 + i%8}, []int{1}, wedged, "P"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c.prefill[0].Prefill.Send([]prefill.SendRequest{{RequestID: "healthy", BlockIDs: []int{3}}})
+	if err := load(t, d, "healthy", []int{12}, []int{3}, c.kvPort, "P"); err != nil {
+		t.Fatal(err)
+	}
+	res.drain(t, c, 151, 60*time.Second)
+	h := res.got["healthy"]
+	if h.Err != nil {
+		t.Fatalf("healthy request: %v", h.Err)
+	}
+	reasons := map[string]int{}
+	for id, r := range res.got {
+		switch {
+		case id == "healthy":
+		case r.Err == nil:
+			reasons["done"]++ // its DONE went undelivered; the bytes landed
+		case strings.Contains(r.Err.Error(), "key stalled"):
+			reasons["peer_stalled"]++
+		default:
+			reasons["other"]++
+			t.Logf("%s: %v", id, r.Err)
+		}
+	}
+	ratio := float64(h.Latency) / float64(alone)
+	t.Logf("healthy request: %v under 150 requests with wedged DONEs, %v alone (%.1fx; stall %v); wedged ended %v",
+		h.Latency.Round(time.Microsecond), alone.Round(time.Microsecond), ratio, stall, reasons)
+	if limit := stall + 5*alone + 100*time.Millisecond; h.Latency > limit {
+		t.Fatalf("healthy request took %v under a wedged DONE peer, want < %v (alone %v, stall %v)", h.Latency, limit, alone, stall)
+	}
+	if reasons["other"] > 0 {
+		t.Fatalf("wedged requests failed for other reasons: %v", reasons)
+	}
+}
