@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # make test-mooncake: the cgo Mooncake binding (hw/mooncake/mooncakec,
 # -tags mooncake) built, vetted and tested against a real Mooncake build,
-# each test binary in a loopback-only network namespace
-# (scripts/netns-exec.sh). Opt-in, never part of make test or CI.
+# Mooncake's own engine reading kvflow's target (hw/mooncake), each test
+# binary in a loopback-only network namespace (scripts/netns-exec.sh); then
+# the node's Mooncake tests (internal/node, which enter a namespace
+# themselves). Opt-in, never part of make test or CI.
 #
 # Needs MOONCAKE_PREFIX (the install prefix of a Mooncake build: include/
 # and lib/), taken from the environment or from ~/.config/kvflow/mooncake.env
@@ -15,8 +17,10 @@ cd "$(dirname "$0")/.."
 GO=${GO:-go}
 env_file=${MOONCAKE_ENV:-$HOME/.config/kvflow/mooncake.env}
 if [[ -z "${MOONCAKE_PREFIX:-}" && -f "$env_file" ]]; then
+	set -a
 	# shellcheck disable=SC1090
 	source "$env_file"
+	set +a
 fi
 if [[ -z "${MOONCAKE_PREFIX:-}" ]]; then
 	echo "test-mooncake: SKIPPED: MOONCAKE_PREFIX is unset and $env_file does not set it" \
@@ -37,4 +41,8 @@ set -x
 # Mooncake's own engine (its Python module, MOONCAKE_PY) reading from
 # kvflow's target, connection pool off and on; skipped without MOONCAKE_PY.
 "$GO" test -race -count=1 -timeout 5m -exec "$PWD/scripts/netns-exec.sh" -run 'TestStockMooncakeInitiator' -v ./hw/mooncake/ | grep -E '^(=== RUN|--- |\s+---|PASS|FAIL|ok)|skip'
+# The node on Mooncake's engine (its tests enter a namespace themselves).
+export MOONCAKE_PREFIX
+# shellcheck disable=SC2086
+"$GO" test -tags mooncake ${TESTFLAGS:--race -count=1 -timeout 8m} -run 'Mooncake' ./internal/node/
 

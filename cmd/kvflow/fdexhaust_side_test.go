@@ -17,7 +17,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/kvflow/kvflow/internal/config"
-	"github.com/kvflow/kvflow/internal/workers"
+	"github.com/kvflow/kvflow/internal/tooling/workers"
 )
 
 // TestServeSideChannelFDExhaustion: the same flood as

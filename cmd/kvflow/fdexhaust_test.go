@@ -25,7 +25,7 @@ import (
 
 	"github.com/kvflow/kvflow/hw/mooncake"
 	"github.com/kvflow/kvflow/internal/config"
-	"github.com/kvflow/kvflow/internal/workers"
+	"github.com/kvflow/kvflow/internal/tooling/workers"
 )
 
 // The worker's descriptor limit in TestServeDataPortFDExhaustion: the

@@ -22,7 +22,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/kvflow/kvflow/internal/config"
-	"github.com/kvflow/kvflow/internal/workers"
+	"github.com/kvflow/kvflow/internal/tooling/workers"
 )
 
 // The test binary doubles as the kvflow binary: the demo re-executes
@@ -57,7 +57,8 @@ func TestUsage(t *testing.T) {
 		{[]string{"serve", "--tp-rank", "x"}, exitUsage, "tp-rank"},
 		{[]string{"serve", "--config", "/nonexistent.json"}, exitUsage, "nonexistent"},
 		{[]string{"serve", "extra-arg", "--print-config"}, exitUsage, "unexpected arguments"},
-		{[]string{"serve", "--te-backend", "mooncake"}, exitUsage, "node.te_backend: \"mooncake\" is not supported yet: the node does not drive the cgo binding"},
+		{[]string{"serve", "--config", "../../deploy/examples/decode.json", "--te-backend", "mooncake", "--print-config"},
+			mooncakePrintExit(), mooncakePrintWant()},
 		{[]string{"serve", "--config", "../../deploy/examples/prefill.json", "--num-blocks", "-3", "--print-config"}, exitUsage,
 			"invalid configuration:\nmodel.num_blocks: must be >= 1, got -3"},
 		{[]string{"serve", "--config", "../../deploy/examples/prefill.json", "--kv-transfer-config", `{"kv_role":"kv_producer"}`, "--role", "decode", "--print-config"},
@@ -427,4 +428,22 @@ func TestCLIOutput(t *testing.T) {
 			}
 		}
 	})
+}
+
+// mooncakePrintExit and mooncakePrintWant are what serve --te-backend
+// mooncake --print-config gives: in a binary built without -tags mooncake
+// the refusal naming the tag, in one built with it the configuration led
+// by the backend's fallbacks.
+func mooncakePrintExit() int {
+	if config.MooncakeBuilt {
+		return exitOK
+	}
+	return exitUsage
+}
+
+func mooncakePrintWant() string {
+	if config.MooncakeBuilt {
+		return `"//node.te_backend mooncake falls back": [`
+	}
+	return `node.te_backend: "mooncake" needs a kvflow built with -tags mooncake against an installed Mooncake, and this binary was built without it`
 }

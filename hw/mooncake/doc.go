@@ -14,9 +14,8 @@
 // "P2PHANDSHAKE" metadata mode and the "tcp" protocol. A cgo binding to
 // Mooncake's C API (transfer_engine_c.h), for RDMA and Ascend deployments,
 // is the subpackage mooncakec, built with the build tag "mooncake" (see
-// README.md); default builds never need it. It is for embedding: kvflow's
-// node does not drive it yet (config validation rejects node.te_backend
-// "mooncake").
+// README.md); default builds never need it. kvflow's node runs on it with
+// node.te_backend "mooncake" in a binary built with that tag.
 //
 // # One interface, optional capabilities
 //

@@ -1,6 +1,7 @@
 package config
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -173,11 +174,13 @@ type Cache struct {
 // Transfer-engine backends.
 const (
 	// BackendTCP is hw/mooncake's pure-Go engine, which speaks Mooncake
-	// TransferEngine's TCP transport: the one backend a node runs.
+	// TransferEngine's TCP transport: the default, in every build.
 	BackendTCP = "tcp"
-	// BackendMooncake names the cgo binding (hw/mooncake/mooncakec.CgoEngine, build
-	// tag mooncake). Reserved: Validate rejects it (ErrBackendNotWired)
-	// until the node drives the binding.
+	// BackendMooncake is Mooncake's own transfer engine through its C API
+	// (hw/mooncake/mooncakec.CgoEngine, RDMA or Ascend deployments): only
+	// in a binary built with -tags mooncake (MooncakeBuilt); elsewhere
+	// Validate rejects it (ErrMooncakeNotBuilt). What it lacks next to
+	// the tcp engine the node does without, visibly (BackendFallbacks).
 	BackendMooncake = "mooncake"
 	// BackendShm is the TCP engine plus same-host reads without the
 	// network (hw/shm), negotiated per peer: a prefill worker publishes
@@ -188,17 +191,33 @@ const (
 	BackendShm = "shm"
 )
 
+// MooncakeTE configures Mooncake's transfer engine (node.te_backend
+// mooncake). It always exchanges segment descriptors peer to peer on the
+// RPC port (metadata P2PHANDSHAKE, as the seed's connector does), so a
+// peer's session is the side channel's host and te_rpc_port.
+type MooncakeTE struct {
+	// Protocol is the transport Mooncake installs: rdma, tcp, ascend, ...
+	Protocol string `json:"protocol"`
+	// Location tags the registered cache memory ("cpu:0", "npu:0", ...).
+	Location string `json:"location"`
+	// NICPriorityMatrix is the rdma transport's JSON topology matrix; ""
+	// lets Mooncake discover the NICs.
+	NICPriorityMatrix string `json:"nic_priority_matrix"`
+}
+
 // Node holds this worker's listen addresses.
 type Node struct {
 	// SideChannelHost is the address the side channel binds (the seed binds
 	// the worker's IP, get_ip()); prefill peers are dialed at the host the
 	// scheduler advertises, so in a deployment set the worker's IP.
 	SideChannelHost string `json:"side_channel_host"`
-	// TEBackend is the transfer engine: tcp, or shm (tcp plus same-host
-	// reads by mapping the peer's cache file, BackendShm). mooncake (the
-	// cgo binding) is rejected: the node does not drive it yet, whatever
-	// the build tags.
+	// TEBackend is the transfer engine: tcp (kvflow's own, default), shm
+	// (tcp plus same-host reads by mapping the peer's cache file,
+	// BackendShm) or mooncake (Mooncake's engine through its C API; a
+	// binary built with -tags mooncake, see BackendMooncake).
 	TEBackend string `json:"te_backend"`
+	// Mooncake configures the mooncake backend (ignored with tcp).
+	Mooncake MooncakeTE `json:"mooncake"`
 	// TEHost is the transfer engine's listen host; "" means SideChannelHost
 	// (the seed starts its engine on the same IP).
 	TEHost string `json:"te_host"`
@@ -384,6 +403,13 @@ func Default() Config {
 			// embedded demo runs P and D on one host.
 			SideChannelHost: "127.0.0.1",
 			TEBackend:       BackendTCP,
+			Mooncake: MooncakeTE{
+				// The reason to pick Mooncake's engine over kvflow's own
+				// (which is faster over TCP) is its RDMA transport.
+				Protocol: "rdma",
+				// Host memory: the cache is an mmap'd region (hw/npu).
+				Location: "cpu:0",
+			},
 			// 0: the OS picks a free RPC port, which the metadata
 			// advertises (the seed's get_rpc_port does the same).
 			TEPort: 0,
@@ -696,8 +722,12 @@ func (c Config) CachePath() string {
 // once kv_role and engine_id are set). kv_transfer_config is
 // printed as given, with the vLLM fields kvflow ignores and the unknown keys
 // of kv_connector_extra_config. The output loads back to the same
-// configuration; comment keys ("//...") are not kept.
+// configuration; comment keys ("//...") are not kept. When the transfer
+// backend cannot do all the configuration asks (BackendFallbacks), a first
+// comment key, "//node.te_backend <name> falls back", lists what it does
+// instead.
 func (c Config) Print(w io.Writer) error {
+	fallbacks := c.BackendFallbacks()
 	c.Node.TEHost = c.TEHost()
 	if c.Role() != 0 && c.KVTransfer.EngineID != "" { // else the names would be placeholders
 		c.Node.Control = c.ControlEndpoint()
@@ -706,6 +736,28 @@ func (c Config) Print(w io.Writer) error {
 	b, err := json.MarshalIndent(c, "", "  ")
 	if err != nil {
 		return fmt.Errorf("config: print: %w", err)
+	}
+	if len(fallbacks) > 0 {
+		notes := make([]string, len(fallbacks))
+		for i, f := range fallbacks {
+			notes[i] = f.String()
+		}
+		var head bytes.Buffer
+		enc := json.NewEncoder(&head)
+		enc.SetEscapeHTML(false) // "→", "> 1" read as written
+		enc.SetIndent("  ", "  ")
+		head.WriteString("{\n  ")
+		if err := enc.Encode("//node.te_backend " + c.Node.TEBackend + " falls back"); err != nil {
+			return fmt.Errorf("config: print: %w", err)
+		}
+		head.Truncate(head.Len() - 1) // Encode's newline
+		head.WriteString(": ")
+		if err := enc.Encode(notes); err != nil {
+			return fmt.Errorf("config: print: %w", err)
+		}
+		head.Truncate(head.Len() - 1)
+		head.WriteString(",\n")
+		b = append(head.Bytes(), b[2:]...) // b starts with "{\n"
 	}
 	b = append(b, '\n')
 	_, err = w.Write(b)

@@ -69,17 +69,28 @@ func writeFile(t *testing.T, body string) string {
 }
 
 func TestGolden(t *testing.T) {
-	for _, tc := range []struct{ name, in string }{
-		{"default", ""},
-		{"example-decode", "testdata/example-decode.json"},
-		{"example-prefill", "testdata/example-prefill.json"},
+	for _, tc := range []struct {
+		name, in string
+		mod      func(c *Config)
+	}{
+		{"default", "", nil},
+		{"example-decode", "testdata/example-decode.json", nil},
+		{"example-prefill", "testdata/example-prefill.json", nil},
+		// The fallbacks of te_backend mooncake lead the printout, as a
+		// comment key: the output still loads back to itself.
+		{"mooncake-decode", "testdata/example-decode.json", func(c *Config) {
+			c.Node.TEBackend, c.Node.Mooncake.Protocol = BackendMooncake, "tcp"
+		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c, err := Load(tc.in)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if tc.in != "" {
+			if tc.mod != nil {
+				tc.mod(&c)
+			}
+			if tc.in != "" && (MooncakeBuilt || c.Node.TEBackend != BackendMooncake) {
 				if err := c.Validate(); err != nil {
 					t.Fatalf("example does not validate:\n%v", err)
 				}
@@ -387,11 +398,32 @@ func TestValidate(t *testing.T) {
 		{"te port", Decode, func(c *Config) { c.Node.TEPort = -1 }, []string{"node.te_port: must be in 0..65535"}},
 		{"te port clashes with handshake", Decode, func(c *Config) { c.Node.TEPort = 20101 },
 			[]string{"node.te_port: 20101 is this worker's side-channel handshake port"}},
-		{"te backend", Decode, func(c *Config) { c.Node.TEBackend = "rdma" }, []string{`node.te_backend: must be tcp or shm, got "rdma"`}},
+		{"te backend", Decode, func(c *Config) { c.Node.TEBackend = "rdma" }, []string{`node.te_backend: must be tcp, shm or mooncake, got "rdma"`}},
 		{"te backend shm on anonymous prefill memory", Prefill, func(c *Config) { c.Node.TEBackend = BackendShm; c.Cache.Mode = CacheAnonymous },
 			[]string{`node.te_backend: shm on a prefill worker needs its cache in a file`}},
-		{"te backend mooncake not wired", Decode, func(c *Config) { c.Node.TEBackend = BackendMooncake },
-			[]string{`node.te_backend: "mooncake" is not supported yet: the node does not drive the cgo binding`}},
+		// mooncake runs only in a binary built with -tags mooncake; what
+		// it cannot do is refused when asked for explicitly.
+		{"te backend mooncake", Decode, func(c *Config) { c.Node.TEBackend = BackendMooncake }, mooncakeWant()},
+		{"te backend mooncake prefill defaults", Prefill, func(c *Config) { c.Node.TEBackend = BackendMooncake }, mooncakeWant()},
+		{"te backend mooncake grants off", Prefill, func(c *Config) { c.Node.TEBackend, c.Read.Grants = BackendMooncake, GrantsOff }, mooncakeWant()},
+		{"te backend mooncake grants on", Prefill, func(c *Config) { c.Node.TEBackend, c.Read.Grants = BackendMooncake, GrantsOn },
+			mooncakeWant("read.grants: on needs node.te_backend tcp")},
+		{"te backend mooncake decode ignores grants", Decode, func(c *Config) { c.Node.TEBackend, c.Read.Grants = BackendMooncake, GrantsOn }, mooncakeWant()},
+		{"te backend mooncake data plane authenticated", Prefill, func(c *Config) {
+			c.Node.TEBackend = BackendMooncake
+			c.Auth = Auth{Mode: AuthCurve, SecretKeyFile: "/s", PublicKeyFile: "/p", DataPlane: DataPlaneAuthenticated}
+		}, mooncakeWant("auth.data_plane: authenticated needs node.te_backend tcp")},
+		{"te backend mooncake data plane default", Prefill, func(c *Config) {
+			c.Node.TEBackend = BackendMooncake
+			c.Auth = Auth{Mode: AuthCurve, SecretKeyFile: "/s", PublicKeyFile: "/p"}
+		}, mooncakeWant()},
+		{"te backend mooncake settings", Decode, func(c *Config) {
+			c.Node.TEBackend = BackendMooncake
+			c.Node.Mooncake = MooncakeTE{Location: "cpu 0"}
+		}, mooncakeWant("node.mooncake.protocol: missing", `node.mooncake.location: want a location tag (cpu:0, npu:0, ...) without spaces or quotes, got "cpu 0"`)},
+		{"te backend mooncake fixed te port", Decode, func(c *Config) { c.Node.TEBackend, c.Node.TEPort = BackendMooncake, 25000 },
+			mooncakeWant("node.te_port: 25000: Mooncake's engine picks its own RPC port")},
+		{"mooncake settings ignored with tcp", Decode, func(c *Config) { c.Node.Mooncake = MooncakeTE{} }, nil},
 		{"control scheme", Decode, func(c *Config) { c.Node.Control = "/tmp/x.sock" },
 			[]string{`node.control: want an ipc:// or tcp:// endpoint, got "/tmp/x.sock"`}},
 		{"control tcp port", Decode, func(c *Config) { c.Node.Control = "tcp://127.0.0.1:0" }, []string{"node.control: port of"}},
@@ -459,6 +491,69 @@ func TestValidate(t *testing.T) {
 				if !slices.ContainsFunc(got, func(g string) bool { return strings.Contains(g, w) }) {
 					t.Errorf("no problem contains %q:\n%v", w, err)
 				}
+			}
+		})
+	}
+}
+
+// mooncakeWant is what Validate reports for node.te_backend mooncake: the
+// missing build tag in a binary built without it, then extra.
+func mooncakeWant(extra ...string) []string {
+	if MooncakeBuilt {
+		return extra
+	}
+	return append([]string{`node.te_backend: "mooncake" needs a kvflow built with -tags mooncake against an installed Mooncake, and this binary was built without it: build it with`}, extra...)
+}
+
+// TestBackendFallbacks: what the mooncake backend cannot do of what the
+// configuration asks is listed, per role; tcp has no fallback.
+func TestBackendFallbacks(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		role Role
+		mod  func(c *Config)
+		want []string // the keys, in order
+	}{
+		{"tcp prefill", Prefill, func(c *Config) {}, nil},
+		{"tcp decode", Decode, func(c *Config) {}, nil},
+		{"prefill", Prefill, func(c *Config) { c.Node.TEBackend = BackendMooncake }, []string{"read.grants", "node.limits"}},
+		{"prefill grants off", Prefill, func(c *Config) { c.Node.TEBackend, c.Read.Grants = BackendMooncake, GrantsOff }, []string{"node.limits"}},
+		{"prefill curve", Prefill, func(c *Config) {
+			c.Node.TEBackend = BackendMooncake
+			c.Auth = Auth{Mode: AuthCurve, SecretKeyFile: "/s", PublicKeyFile: "/p"}
+		}, []string{"read.grants", "auth.data_plane", "node.limits"}},
+		{"prefill curve open", Prefill, func(c *Config) {
+			c.Node.TEBackend = BackendMooncake
+			c.Auth = Auth{Mode: AuthCurve, SecretKeyFile: "/s", PublicKeyFile: "/p", DataPlane: DataPlaneOpen}
+		}, []string{"read.grants", "node.limits"}},
+		{"decode rdma", Decode, func(c *Config) { c.Node.TEBackend = BackendMooncake },
+			[]string{"read.fused_stitch", "read (ledger)", "handshake (compatibility check)", "node.limits"}},
+		{"decode tcp transport", Decode, func(c *Config) { c.Node.TEBackend, c.Node.Mooncake.Protocol = BackendMooncake, "tcp" },
+			[]string{"node.te_backend", "read.fused_stitch", "read (ledger)", "handshake (compatibility check)", "node.limits"}},
+		{"decode unfused, tp above prefill", Decode, func(c *Config) {
+			c.Node.TEBackend, c.Read.FusedStitch, c.Node.Mooncake.Protocol = BackendMooncake, false, "tcp"
+			c.KVTransfer.KVConnectorExtraConfig.Decode.TPSize = 8
+		}, []string{"node.te_backend", "read (decode tp above prefill tp)", "read (ledger)", "handshake (compatibility check)", "node.limits"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := Example(tc.role)
+			tc.mod(&c)
+			var keys []string
+			for _, f := range c.BackendFallbacks() {
+				keys = append(keys, f.Key)
+				if f.Note == "" || !strings.HasPrefix(f.String(), f.Key+": ") {
+					t.Errorf("fallback %q", f)
+				}
+			}
+			if !slices.Equal(keys, tc.want) {
+				t.Errorf("fallbacks %q, want %q", keys, tc.want)
+			}
+			mc := c.Node.TEBackend == BackendMooncake
+			if got := c.ReadGrants(); mc && got != GrantsOff || !mc && got != c.Read.Grants {
+				t.Errorf("ReadGrants %q (read.grants %q)", got, c.Read.Grants)
+			}
+			if got := c.DataPlaneAuth(); got != (c.Auth.DataPlaneAuth() && !mc) {
+				t.Errorf("DataPlaneAuth %v", got)
 			}
 		})
 	}

@@ -63,7 +63,10 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 
 	n := &c.Node
 	fs.StringVar(&n.SideChannelHost, "side-channel-host", n.SideChannelHost, "side channel bind address, the worker's IP (node.side_channel_host)")
-	fs.StringVar(&n.TEBackend, "te-backend", n.TEBackend, "transfer engine: tcp, or shm (tcp plus same-host reads by mapping the peer's cache file, negotiated per peer); mooncake (the cgo binding) is rejected until the node drives it (node.te_backend)")
+	fs.StringVar(&n.TEBackend, "te-backend", n.TEBackend, "transfer engine: tcp, shm (tcp plus same-host reads by mapping the peer's cache file, negotiated per peer), or mooncake (Mooncake's engine; a binary built with -tags mooncake) (node.te_backend)")
+	fs.StringVar(&n.Mooncake.Protocol, "mooncake-protocol", n.Mooncake.Protocol, "te_backend mooncake: the transport, rdma|tcp|ascend|... (node.mooncake.protocol)")
+	fs.StringVar(&n.Mooncake.Location, "mooncake-location", n.Mooncake.Location, "te_backend mooncake: the registered memory's location tag (node.mooncake.location)")
+	fs.StringVar(&n.Mooncake.NICPriorityMatrix, "mooncake-nic-priority-matrix", n.Mooncake.NICPriorityMatrix, "te_backend mooncake, rdma: JSON NIC priority matrix; empty = discover (node.mooncake.nic_priority_matrix)")
 	fs.StringVar(&n.TEHost, "te-host", n.TEHost, "transfer engine listen host; empty = side channel host (node.te_host)")
 	fs.IntVar(&n.TEPort, "te-port", n.TEPort, "transfer engine RPC port, 0 = any free (node.te_port)")
 	fs.StringVar(&n.Control, "control", n.Control, "control socket endpoint; empty derives ipc:///tmp/kvflow-... (node.control)")

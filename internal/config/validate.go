@@ -11,11 +11,6 @@ import (
 	"github.com/kvflow/kvflow/hw/npu"
 )
 
-// ErrBackendNotWired is why node.te_backend mooncake is rejected.
-var ErrBackendNotWired = errors.New(`"mooncake" is not supported yet: the node does not drive the cgo binding ` +
-	`(hw/mooncake/mooncakec.CgoEngine exists for embedding in Go programs; wiring it into the node is pending, ` +
-	`and building with -tags mooncake does not change this); use tcp, which speaks Mooncake's TCP transport`)
-
 // maxUnixPath is the longest ipc:// path libzmq can bind (sun_path is 108
 // bytes with the terminating NUL).
 const maxUnixPath = 107
@@ -192,17 +187,7 @@ func (c Config) validateNode(v *validator) {
 		}
 	}
 	host("node.side_channel_host", n.SideChannelHost, false)
-	switch n.TEBackend {
-	case BackendTCP:
-	case BackendShm:
-		if c.Role() == Prefill && c.Cache.Mode == CacheAnonymous {
-			v.add("node.te_backend", "shm on a prefill worker needs its cache in a file (cache.mode shm or shm_attach), not %s memory", CacheAnonymous)
-		}
-	case BackendMooncake:
-		v.add("node.te_backend", "%s", ErrBackendNotWired)
-	default:
-		v.add("node.te_backend", "must be %s or %s, got %q", BackendTCP, BackendShm, n.TEBackend)
-	}
+	c.validateBackend(v)
 	host("node.te_host", n.TEHost, true)
 	if n.TEPort < 0 || n.TEPort > 65535 {
 		v.add("node.te_port", "must be in 0..65535 (0 = pick a free port), got %d", n.TEPort)

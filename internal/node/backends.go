@@ -14,7 +14,9 @@ import (
 // the node holds only those interfaces; an engine's optional capabilities
 // (read grants, data-plane authentication, peer buffers, strided reads)
 // are resolved once, where they are wired (Start, read.Engine). A new
-// backend is a case here.
+// backend is a case here. Mooncake's engine (cgo) is opened by
+// backends_mooncake.go, built only with -tags mooncake, so that default
+// builds neither import cgo for it nor need Mooncake.
 
 // openDevice opens the KV-cache memory cfg.Cache.Mode names.
 func openDevice(cfg config.Config, layout npu.Layout, shape npu.Shape, log *slog.Logger) (npu.Device, error) {
@@ -42,13 +44,21 @@ func openDevice(cfg config.Config, layout npu.Layout, shape npu.Shape, log *slog
 	return h, nil
 }
 
-// openEngine starts the transfer engine cfg.Node.TEBackend names.
+// openEngine starts the transfer engine cfg.Node.TEBackend names, and
+// logs at warn what it cannot do of what cfg asks (config.BackendFallbacks:
+// Mooncake's engine has no read grants, no data-plane credential, no
+// strided reads).
 func openEngine(cfg config.Config, deps Deps, log *slog.Logger) (mooncake.Engine, error) {
+	for _, f := range cfg.BackendFallbacks() {
+		log.Warn("transfer backend falls back", "te_backend", cfg.Node.TEBackend, "setting", f.Key, "instead", f.Note)
+	}
 	switch cfg.Node.TEBackend {
 	case "", config.BackendTCP, config.BackendShm: // shm: TCP for every peer whose same-host claim does not hold
+	case config.BackendMooncake:
+		// backends_mooncake.go with -tags mooncake; a refusal without.
+		return openMooncake(cfg, deps, log)
 	default:
-		// Validate rejects it too; the node runs only the tcp engine.
-		return nil, fmt.Errorf("node.te_backend %q: %w", cfg.Node.TEBackend, config.ErrBackendNotWired)
+		return nil, fmt.Errorf("node.te_backend %q: unknown backend", cfg.Node.TEBackend)
 	}
 	tc := mooncake.DefaultTCPConfig()
 	tc.Host = cfg.TEHost()
@@ -63,7 +73,7 @@ func openEngine(cfg config.Config, deps Deps, log *slog.Logger) (mooncake.Engine
 	// With auth.mode curve both ports serve only peers holding a
 	// credential this worker's side channel issued (a decode worker
 	// issues none: no one may handshake with it or read it).
-	tc.RequireAuth = cfg.Auth.DataPlaneAuth()
+	tc.RequireAuth = cfg.DataPlaneAuth()
 	e, err := mooncake.NewTCPEngine(tc, deps.Registerer, log)
 	if err != nil {
 		return nil, err

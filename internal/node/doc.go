@@ -1,7 +1,8 @@
 // Package node assembles one kvflow worker from its parts: the KV-cache
 // device (an npu.Device: hw/npu host memory, anonymous or a shared-memory
 // file), the transfer engine (a mooncake.Engine: hw/mooncake's TCP engine,
-// caches registered), the ZMQ side channel (one context per process) and
+// or Mooncake's own through hw/mooncake/mooncakec in a binary built with
+// -tags mooncake (backends_mooncake.go); caches registered), the ZMQ side channel (one context per process) and
 // the role — decode's pull pipeline or prefill's side-channel server and
 // tracker.
 //
@@ -9,7 +10,8 @@
 // and held as interfaces; what only some engines can do (read grants,
 // data-plane authentication, peer buffers, and the read stage's strided
 // and gathered reads through stages/read.Engine) is resolved once, at
-// Start. Adding a transfer backend: its package (implementing
+// Start; what the configured backend cannot do of what the config asks is
+// logged at warn there (config.BackendFallbacks). Adding a transfer backend: its package (implementing
 // mooncake.Engine and the optional interfaces it can), a case in
 // openEngine, and the name in internal/config's node.te_backend
 // validation. node.te_backend shm is the TCP engine plus same-host reads

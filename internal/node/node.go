@@ -234,8 +234,11 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 	fp := Fingerprint(cfg, n.Device.Layout())
 	var grants prefill.Grants
 	mode := prefill.GrantsAuto
-	switch cfg.Read.Grants {
+	switch cfg.ReadGrants() {
 	case config.GrantsOff:
+		if cfg.Read.Grants != config.GrantsOff {
+			break // the backend has no grants: openEngine warned
+		}
 		log.Warn("read.grants=off: any peer that reaches the transfer engine's data port can read every registered block at any time, " +
 			"and a decode reading after a forged or early DONE freed its request may get reused blocks and report them done; " +
 			"set read.grants=auto (the default) unless a peer must read blocks no send names")
@@ -291,7 +294,7 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 		Curve:  n.Curve,
 		Limits: &sideLimits,
 	}
-	if cfg.Auth.DataPlaneAuth() {
+	if cfg.DataPlaneAuth() {
 		// Each authenticated decode gets the transfer-engine credential of
 		// its own CURVE key in its GET_META reply.
 		a, ok := n.Engine.(mooncake.PeerAuthenticator)

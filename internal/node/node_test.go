@@ -33,6 +33,11 @@ type topo struct {
 	// (same header and size, other inode) before any request, so every
 	// decode must fall back to TCP.
 	shm, shmMismatch bool
+	// prefillTE and decodeTE are each instance's node.te_backend ("":
+	// tcp); Mooncake's engines run its tcp transport (loopback tests).
+	prefillTE, decodeTE string
+	// mutate, when set, changes each worker's config last.
+	mutate func(role string, c *config.Config)
 }
 
 func gqa(layers int) config.Model {
@@ -91,6 +96,16 @@ func baseConfig(tp topo, role string, kvPort int) config.Config {
 		c.Read.Grants = config.GrantsOn
 	}
 	c.Read.FusedStitch = !tp.unfused
+	if te := map[string]string{"prefill": tp.prefillTE, "decode": tp.decodeTE}[role]; te != "" {
+		c.Node.TEBackend = te
+		c.Node.Mooncake.Protocol = "tcp"
+		if te == config.BackendMooncake && role == "prefill" {
+			c.Read.Grants = config.GrantsOff // Mooncake has none (on is refused)
+		}
+	}
+	if tp.mutate != nil {
+		tp.mutate(role, &c)
+	}
 	return c
 }
 
@@ -231,144 +246,152 @@ func TestEndToEnd(t *testing.T) {
 		{name: "shm-mismatch-falls-back", prefillTP: 2, decodeTP: 1, model: gqa(3), shm: true, shmMismatch: true},
 	}
 	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			c := startCluster(t, tc)
-			if tc.shmMismatch {
-				replaceCacheFiles(t, c)
+		t.Run(tc.name, func(t *testing.T) { runEndToEnd(t, tc) })
+	}
+}
+
+// runEndToEnd moves six requests (one with empty block lists) from a
+// prefill instance to a decode instance of topology tc and checks every
+// byte, the stitch path taken, each prefill request freed exactly once and
+// the DONEs counted on both sides.
+func runEndToEnd(t *testing.T, tc topo) {
+	t.Helper()
+	c := startCluster(t, tc)
+	if tc.shmMismatch {
+		replaceCacheFiles(t, c)
+	}
+	const nreq = 6
+	rng := rand.New(rand.NewPCG(uint64(len(tc.name)), 7))
+	type reqInfo struct {
+		id            string
+		local, remote []int
+	}
+	var reqs []reqInfo
+	perm := rng.Perm(48)
+	lperm := rng.Perm(48)
+	for i := range nreq {
+		nb := 1 + rng.IntN(5)
+		ri := reqInfo{id: fmt.Sprintf("%s-req-%d", tc.name, i), remote: perm[i*6 : i*6+nb], local: lperm[i*6 : i*6+nb]}
+		if tc.prefixHit && nb > 1 {
+			ri.local = ri.local[:nb-1] // local prefix hit: pull only the tail
+		}
+		if i == nreq-1 {
+			ri.local, ri.remote = []int{}, []int{} // empty block lists
+		}
+		reqs = append(reqs, ri)
+	}
+	tag := func(id string) uint64 { return plan.StringToInt64Hash(id) }
+	// Prefill: fill the blocks, hand the requests over.
+	for _, p := range c.prefill {
+		for _, r := range reqs {
+			verify.FillBlocks(p.Device, p.Shape.NumLayers, p.Device.Layout().NumParts(), plan.DeviceIndex(p.Config.Topology().Prefill, p.Config.Self()), r.remote, tag(r.id))
+			errs := p.Prefill.Send([]prefill.SendRequest{{RequestID: r.id, BlockIDs: r.remote}})
+			if errs[0] != nil {
+				t.Fatal(errs[0])
 			}
-			const nreq = 6
-			rng := rand.New(rand.NewPCG(uint64(len(tc.name)), 7))
-			type reqInfo struct {
-				id            string
-				local, remote []int
+		}
+	}
+	// Decode: every rank loads every request, as vLLM broadcasts.
+	for _, d := range c.decode {
+		for _, r := range reqs {
+			errs := d.Decode.Load(context.Background(), []decode.LoadRequest{{
+				RequestID: r.id, LocalBlockIDs: r.local,
+				Params: decode.KVTransferParams{RemoteBlockIDs: r.remote, RemoteEngineID: "P",
+					RemoteHost: "127.0.0.1", RemotePort: c.kvPort, RemotePCPSize: 1, RemoteDCPSize: 1},
+			}})
+			if errs[0] != nil {
+				t.Fatal(errs[0])
 			}
-			var reqs []reqInfo
-			perm := rng.Perm(48)
-			lperm := rng.Perm(48)
-			for i := range nreq {
-				nb := 1 + rng.IntN(5)
-				ri := reqInfo{id: fmt.Sprintf("%s-req-%d", tc.name, i), remote: perm[i*6 : i*6+nb], local: lperm[i*6 : i*6+nb]}
-				if tc.prefixHit && nb > 1 {
-					ri.local = ri.local[:nb-1] // local prefix hit: pull only the tail
-				}
-				if i == nreq-1 {
-					ri.local, ri.remote = []int{}, []int{} // empty block lists
-				}
-				reqs = append(reqs, ri)
+		}
+	}
+	want := nreq * len(c.decode)
+	deadline := time.After(30 * time.Second)
+	for range want {
+		select {
+		case res := <-c.results:
+			if res.Err != nil {
+				t.Errorf("request %s failed: %v", res.RequestID, res.Err)
 			}
-			tag := func(id string) uint64 { return plan.StringToInt64Hash(id) }
-			// Prefill: fill the blocks, hand the requests over.
-			for _, p := range c.prefill {
-				for _, r := range reqs {
-					verify.FillBlocks(p.Device, p.Shape.NumLayers, p.Device.Layout().NumParts(), plan.DeviceIndex(p.Config.Topology().Prefill, p.Config.Self()), r.remote, tag(r.id))
-					errs := p.Prefill.Send([]prefill.SendRequest{{RequestID: r.id, BlockIDs: r.remote}})
-					if errs[0] != nil {
-						t.Fatal(errs[0])
-					}
-				}
+		case <-deadline:
+			t.Fatal("requests did not finish")
+		}
+	}
+	// Every byte against the prefill caches.
+	var dones []string
+	for _, d := range c.decode {
+		done, failed := d.Decode.Finished()
+		if len(failed) != 0 || len(done) != nreq {
+			t.Errorf("decode rank %d: %d done, failures %v", d.Config.Rank.TP, len(done), failed)
+		}
+		dones = append(dones, done...)
+		for _, r := range reqs {
+			pl, err := plan.PlanRequest(d.Config.Topology(), d.Config.Self(), plan.Request{ID: r.id, LocalBlockIDs: r.local,
+				RemoteBlockIDs: r.remote, RemoteHost: "127.0.0.1", RemotePort: c.kvPort, RemoteEngineID: "P", RemotePCPSize: 1, RemoteDCPSize: 1})
+			if err != nil {
+				t.Fatal(err)
 			}
-			// Decode: every rank loads every request, as vLLM broadcasts.
-			for _, d := range c.decode {
-				for _, r := range reqs {
-					errs := d.Decode.Load(context.Background(), []decode.LoadRequest{{
-						RequestID: r.id, LocalBlockIDs: r.local,
-						Params: decode.KVTransferParams{RemoteBlockIDs: r.remote, RemoteEngineID: "P",
-							RemoteHost: "127.0.0.1", RemotePort: c.kvPort, RemotePCPSize: 1, RemoteDCPSize: 1},
-					}})
-					if errs[0] != nil {
-						t.Fatal(errs[0])
-					}
-				}
+			bad, err := verify.Check(d.Device, pl, rowBytes(c.prefill[0]), tag(r.id))
+			if bad != 0 {
+				t.Errorf("decode rank %d request %s: %d bad bytes: %v", d.Config.Rank.TP, r.id, bad, err)
 			}
-			want := nreq * len(c.decode)
-			deadline := time.After(30 * time.Second)
-			for range want {
-				select {
-				case res := <-c.results:
-					if res.Err != nil {
-						t.Errorf("request %s failed: %v", res.RequestID, res.Err)
-					}
-				case <-deadline:
-					t.Fatal("requests did not finish")
-				}
+		}
+	}
+	// P > 1: the transpose ran fused into the reads, or (unfused)
+	// in the stitch stage.
+	if p := c.decode[0].Config.Topology().NeedPulls(); p > 1 {
+		unfused := tc.unfused || tc.decodeTE == config.BackendMooncake // Mooncake: no strided reads
+		for _, d := range c.decode {
+			fused := counter(t, c.regs[d], "kvflow_read_fused_stitch_jobs_total", nil)
+			if want := float64(nreq); unfused && fused != 0 || !unfused && fused != want {
+				t.Errorf("decode rank %d: %v jobs read fused, want %v (unfused %v)", d.Config.Rank.TP, fused, want, unfused)
 			}
-			// Every byte against the prefill caches.
-			var dones []string
-			for _, d := range c.decode {
-				done, failed := d.Decode.Finished()
-				if len(failed) != 0 || len(done) != nreq {
-					t.Errorf("decode rank %d: %d done, failures %v", d.Config.Rank.TP, len(done), failed)
-				}
-				dones = append(dones, done...)
-				for _, r := range reqs {
-					pl, err := plan.PlanRequest(d.Config.Topology(), d.Config.Self(), plan.Request{ID: r.id, LocalBlockIDs: r.local,
-						RemoteBlockIDs: r.remote, RemoteHost: "127.0.0.1", RemotePort: c.kvPort, RemoteEngineID: "P", RemotePCPSize: 1, RemoteDCPSize: 1})
-					if err != nil {
-						t.Fatal(err)
-					}
-					bad, err := verify.Check(d.Device, pl, rowBytes(c.prefill[0]), tag(r.id))
-					if bad != 0 {
-						t.Errorf("decode rank %d request %s: %d bad bytes: %v", d.Config.Rank.TP, r.id, bad, err)
-					}
-				}
+		}
+	}
+	if tc.shm {
+		checkSameHostPath(t, c, tc.shmMismatch)
+	}
+	// Every prefill request is freed exactly once, on every rank.
+	freed := map[string]int{}
+	deadline2 := time.Now().Add(10 * time.Second)
+	for {
+		for _, p := range c.prefill {
+			for _, id := range p.Prefill.Finished() {
+				freed[fmt.Sprintf("%d/%s", plan.DeviceIndex(p.Config.Topology().Prefill, p.Config.Self()), id)]++
 			}
-			// P > 1: the transpose ran fused into the reads, or (unfused)
-			// in the stitch stage.
-			if p := c.decode[0].Config.Topology().NeedPulls(); p > 1 {
-				for _, d := range c.decode {
-					fused := counter(t, c.regs[d], "kvflow_read_fused_stitch_jobs_total", nil)
-					if want := float64(nreq); tc.unfused && fused != 0 || !tc.unfused && fused != want {
-						t.Errorf("decode rank %d: %v jobs read fused, want %v (unfused %v)", d.Config.Rank.TP, fused, want, tc.unfused)
-					}
-				}
-			}
-			if tc.shm {
-				checkSameHostPath(t, c, tc.shmMismatch)
-			}
-			// Every prefill request is freed exactly once, on every rank.
-			freed := map[string]int{}
-			deadline2 := time.Now().Add(10 * time.Second)
-			for {
-				for _, p := range c.prefill {
-					for _, id := range p.Prefill.Finished() {
-						freed[fmt.Sprintf("%d/%s", plan.DeviceIndex(p.Config.Topology().Prefill, p.Config.Self()), id)]++
-					}
-				}
-				if len(freed) == nreq*len(c.prefill) || time.Now().After(deadline2) {
-					break
-				}
-				time.Sleep(5 * time.Millisecond)
-			}
-			if len(freed) != nreq*len(c.prefill) {
-				t.Errorf("prefill freed %d of %d (rank, request) pairs", len(freed), nreq*len(c.prefill))
-			}
-			for k, v := range freed {
-				if v != 1 {
-					t.Errorf("%s freed %d times", k, v)
-				}
-			}
-			// kvflow to kvflow: every DONE went batched (done_batch_msg),
-			// none plain, unless the prefill side turned batching off
-			// (tracker.batch_done: false), and each prefill rank counted
-			// exactly the DONEs the decode side sent it.
-			var sent, got, plainSent, plainGot, msgs float64
-			for _, d := range c.decode {
-				sent += counter(t, c.regs[d], "kvflow_notify_batched_dones_total", nil)
-				plainSent += counter(t, c.regs[d], "kvflow_sidechannel_requests_total", map[string]string{"role": "client", "op": "done"})
-			}
-			for _, p := range c.prefill {
-				got += counter(t, c.regs[p], "kvflow_prefill_done_messages_total", nil)
-				plainGot += counter(t, c.regs[p], "kvflow_sidechannel_requests_total", map[string]string{"role": "server", "op": "done"})
-				msgs += counter(t, c.regs[p], "kvflow_sidechannel_requests_total", map[string]string{"role": "server", "op": "done_batch", "outcome": "ok"})
-			}
-			if tc.plainDone {
-				if sent != 0 || msgs != 0 || plainSent == 0 || plainGot != plainSent || got != plainSent {
-					t.Errorf("batching off: %v batched DONEs in %v messages, %v plain sent, %v plain received, %v counted", sent, msgs, plainSent, plainGot, got)
-				}
-			} else if plainSent != 0 || plainGot != 0 || sent == 0 || got != sent || msgs == 0 || msgs > sent {
-				t.Errorf("batched DONEs: decode sent %v (and %v plain), prefill counted %v (%v plain), in %v messages", sent, plainSent, got, plainGot, msgs)
-			}
-		})
+		}
+		if len(freed) == nreq*len(c.prefill) || time.Now().After(deadline2) {
+			break
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if len(freed) != nreq*len(c.prefill) {
+		t.Errorf("prefill freed %d of %d (rank, request) pairs", len(freed), nreq*len(c.prefill))
+	}
+	for k, v := range freed {
+		if v != 1 {
+			t.Errorf("%s freed %d times", k, v)
+		}
+	}
+	// kvflow to kvflow: every DONE went batched (done_batch_msg),
+	// none plain, unless the prefill side turned batching off
+	// (tracker.batch_done: false), and each prefill rank counted
+	// exactly the DONEs the decode side sent it.
+	var sent, got, plainSent, plainGot, msgs float64
+	for _, d := range c.decode {
+		sent += counter(t, c.regs[d], "kvflow_notify_batched_dones_total", nil)
+		plainSent += counter(t, c.regs[d], "kvflow_sidechannel_requests_total", map[string]string{"role": "client", "op": "done"})
+	}
+	for _, p := range c.prefill {
+		got += counter(t, c.regs[p], "kvflow_prefill_done_messages_total", nil)
+		plainGot += counter(t, c.regs[p], "kvflow_sidechannel_requests_total", map[string]string{"role": "server", "op": "done"})
+		msgs += counter(t, c.regs[p], "kvflow_sidechannel_requests_total", map[string]string{"role": "server", "op": "done_batch", "outcome": "ok"})
+	}
+	if tc.plainDone {
+		if sent != 0 || msgs != 0 || plainSent == 0 || plainGot != plainSent || got != plainSent {
+			t.Errorf("batching off: %v batched DONEs in %v messages, %v plain sent, %v plain received, %v counted", sent, msgs, plainSent, plainGot, got)
+		}
+	} else if plainSent != 0 || plainGot != 0 || sent == 0 || got != sent || msgs == 0 || msgs > sent {
+		t.Errorf("batched DONEs: decode sent %v (and %v plain), prefill counted %v (%v plain), in %v messages", sent, plainSent, got, plainGot, msgs)
 	}
 }
 

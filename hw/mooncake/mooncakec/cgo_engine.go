@@ -45,6 +45,11 @@ type CgoConfig struct {
 	NICPriorityMatrix string
 	// Location tags registered memory ("cpu:0", "cuda:0", "npu:0").
 	Location string
+	// LocalOnly registers memory without remote access: with Mooncake's
+	// rdma transport peers can then neither read nor write it (no remote
+	// rights on the memory region); its tcp transport ignores the flag and
+	// serves every registered byte. A kvflow decode worker sets it.
+	LocalOnly bool
 	// PollMin and PollMax bound the sleep between completion checks: it
 	// starts at PollMin and doubles to PollMax, so waiting never spins.
 	PollMin, PollMax time.Duration
@@ -76,8 +81,20 @@ type CgoEngine struct {
 
 	mu       sync.Mutex
 	closed   bool
-	segments map[string]C.int32_t
+	segments map[string]*segment
 	inflight sync.WaitGroup
+}
+
+// segment is the handle of one peer's segment. A batch with a failed op
+// marks it stale: the peer may have restarted (on the same RPC port, so
+// under the same name) with other buffers and another data port, which
+// Mooncake's cached descriptor does not know; the next batch re-fetches
+// the descriptor (openSegmentNoCache) before it submits.
+type segment struct {
+	mu     sync.Mutex // held while opening; guards the fields
+	id     C.int32_t
+	opened bool
+	stale  bool
 }
 
 var _ mooncake.LedgerReader = (*CgoEngine)(nil)
@@ -104,7 +121,7 @@ func NewCgoEngine(cfg CgoConfig, reg prometheus.Registerer, log *slog.Logger) (*
 	if eng == nil {
 		return nil, fmt.Errorf("%w: createTransferEngine(%q, %q, %d)", ErrMooncake, cfg.Metadata, cfg.Host, cfg.RPCPort)
 	}
-	e := &CgoEngine{cfg: cfg, m: mooncake.NewTransferMetrics(reg), eng: eng, segments: map[string]C.int32_t{}}
+	e := &CgoEngine{cfg: cfg, m: mooncake.NewTransferMetrics(reg), eng: eng, segments: map[string]*segment{}}
 
 	proto := C.CString(cfg.Protocol)
 	defer C.free(unsafe.Pointer(proto))
@@ -140,15 +157,20 @@ func NewCgoEngine(cfg CgoConfig, reg prometheus.Registerer, log *slog.Logger) (*
 func (e *CgoEngine) RPCPort() int      { return e.rpcPort }
 func (e *CgoEngine) SessionID() string { return e.session }
 
-// Register registers memory with Mooncake (remote accessible). The memory
-// must not be Go-managed: Mooncake keeps the pointer.
+// Register registers memory with Mooncake (remote accessible unless
+// CgoConfig.LocalOnly). The memory must not be Go-managed: Mooncake keeps
+// the pointer.
 func (e *CgoEngine) Register(addr, length uint64, name string) error {
 	if err := e.regions.Add(addr, length, name); err != nil {
 		return err
 	}
 	loc := C.CString(e.cfg.Location)
 	defer C.free(unsafe.Pointer(loc))
-	if rc := C.registerLocalMemory(e.eng, cptr(addr), C.size_t(length), loc, 1); rc != 0 {
+	remote := C.int(1)
+	if e.cfg.LocalOnly {
+		remote = 0
+	}
+	if rc := C.registerLocalMemory(e.eng, cptr(addr), C.size_t(length), loc, remote); rc != 0 {
 		if wait, err := e.regions.Remove(addr); err == nil {
 			wait()
 		}
@@ -191,20 +213,50 @@ func (e *CgoEngine) BatchWrite(ctx context.Context, session string, ops []moonca
 	return e.batch(ctx, session, ops, C.OPCODE_WRITE, nil)
 }
 
+// segment returns session's segment id, opening it on first use and
+// re-fetching its descriptor when a failed batch marked it stale. Only
+// the batches to session wait for its handshake.
 func (e *CgoEngine) segment(session string) (C.int32_t, error) {
 	e.mu.Lock()
-	defer e.mu.Unlock()
-	if id, ok := e.segments[session]; ok {
-		return id, nil
+	sg, ok := e.segments[session]
+	if !ok {
+		sg = &segment{}
+		e.segments[session] = sg
+	}
+	e.mu.Unlock()
+	sg.mu.Lock()
+	defer sg.mu.Unlock()
+	if sg.opened && !sg.stale {
+		return sg.id, nil
 	}
 	cs := C.CString(session)
 	defer C.free(unsafe.Pointer(cs))
-	id := C.openSegment(e.eng, cs)
+	var id C.int32_t
+	if sg.opened {
+		id = C.openSegmentNoCache(e.eng, cs)
+	} else {
+		id = C.openSegment(e.eng, cs)
+	}
 	if id < 0 {
 		return 0, fmt.Errorf("%w: openSegment(%q) = %d", ErrMooncake, session, int(id))
 	}
-	e.segments[session] = id
+	if sg.opened {
+		e.log.Info("mooncake segment re-fetched after a failed batch", "peer", session)
+	}
+	sg.id, sg.opened, sg.stale = id, true, false
 	return id, nil
+}
+
+// markStale makes the next batch to session re-fetch its descriptor.
+func (e *CgoEngine) markStale(session string) {
+	e.mu.Lock()
+	sg := e.segments[session]
+	e.mu.Unlock()
+	if sg != nil {
+		sg.mu.Lock()
+		sg.stale = sg.opened
+		sg.mu.Unlock()
+	}
 }
 
 // batch runs ops; landed, when not nil, gets each completed op's
@@ -294,6 +346,12 @@ func (e *CgoEngine) batch(ctx context.Context, session string, ops []mooncake.Op
 	// Mooncake's own transport timeouts bound the wait.
 	done := make([]bool, len(ops))
 	left := len(ops)
+	failed := false
+	defer func() {
+		if failed {
+			e.markStale(session)
+		}
+	}()
 	sleep := e.cfg.PollMin
 	timer := time.NewTimer(0)
 	defer timer.Stop()
@@ -320,6 +378,7 @@ func (e *CgoEngine) batch(ctx context.Context, session string, ops []mooncake.Op
 			case C.STATUS_FAILED, C.STATUS_CANCELED, C.STATUS_INVALID, C.STATUS_TIMEOUT:
 				errs[i], done[i] = fmt.Errorf("mooncake: %s: transfer status %d", session, int(st.status)), true
 				left--
+				failed = true
 			}
 		}
 		if left == 0 {
@@ -359,8 +418,10 @@ func (e *CgoEngine) Close() error {
 	e.closed = true
 	e.mu.Unlock()
 	e.inflight.Wait()
-	for _, id := range e.segments {
-		C.closeSegment(e.eng, id)
+	for _, sg := range e.segments {
+		if sg.opened {
+			C.closeSegment(e.eng, sg.id)
+		}
 	}
 	C.destroyTransferEngine(e.eng)
 	return nil

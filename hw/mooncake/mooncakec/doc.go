@@ -20,7 +20,11 @@
 // *mooncake.BatchError, and a batch never returns while Mooncake may still
 // touch its local memory. Mooncake cannot cancel a submitted transfer, so a
 // cancelled context is reported only once every task is final. Completion
-// is polled with an exponential sleep, never a spin.
+// is polled with an exponential sleep, never a spin. A peer's segment is
+// opened once and kept; a batch with a failed op makes the next batch to
+// that peer re-fetch its descriptor (openSegmentNoCache), so a peer that
+// restarted under the same name (same RPC port) is read with its new
+// buffers and data port.
 //
 // It must never hand Mooncake Go-managed memory (Mooncake keeps the
 // pointers), and it has no strided reads and no read grants: the node

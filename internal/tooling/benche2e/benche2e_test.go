@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/kvflow/kvflow/internal/cli/clierr"
+	"github.com/kvflow/kvflow/internal/config"
 )
 
 func TestBadInputIsUsageErrorBeforeStarting(t *testing.T) {
@@ -43,6 +44,14 @@ func TestBadInputIsUsageErrorBeforeStarting(t *testing.T) {
 		{"bad mem", []string{"--max-mem-gib", "0"}, "--max-mem-gib"},
 		{"bad netem", []string{"--netem", "delay 1ms; reboot"}, "--netem"},
 		{"bad netem mode", []string{"--netem", "delay 1ms", "--netem-mode", "fast"}, "--netem-mode"},
+		{"bad te backend", []string{"--te-backend", "rdma"}, "--te-backend"},
+	}
+	if !config.MooncakeBuilt {
+		cases = append(cases, struct {
+			name string
+			args []string
+			want string
+		}{"mooncake not built", []string{"--te-backend", "mooncake", "--workload", "long"}, "built without it"})
 	}
 	// A stand-in for the kvflow binary that leaves a mark if anything
 	// launches it.

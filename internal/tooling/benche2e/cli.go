@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvflow/kvflow/internal/cli/clierr"
+	"github.com/kvflow/kvflow/internal/config"
 )
 
 // Result is what --json prints.
@@ -64,6 +65,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	netemSpec := fs.String("netem", "", `shape the link between prefill and decode, e.g. "delay 1ms": each side in its own network namespace (root, iproute2; kernel netem, else a netfilter-queue delay (iptables), else a userspace delay relay); process mode only`)
 	netemMode := fs.String("netem-mode", "auto", "how --netem delays: auto, kernel (tc netem), queue (iptables NFQUEUE, verdicts from this process) or relay (userspace delay relay)")
 	plotPath := fs.String("plot", "", "also draw per-stage latency and throughput to this SVG file")
+	teBackend := fs.String("te-backend", config.BackendTCP, "the workers' node.te_backend: tcp, or mooncake (Mooncake's engine over its tcp transport; a kvflow built with -tags mooncake)")
 	if err := clierr.ParseFlags(fs, args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			fmt.Fprint(stdout, "usage: kvflow bench e2e [flags]\n\nflags:\n")
@@ -119,6 +121,11 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	if *rounds < 1 {
 		errs = append(errs, fmt.Errorf("--rounds %d: want >= 1", *rounds))
+	}
+	switch *teBackend {
+	case config.BackendTCP, config.BackendMooncake:
+	default:
+		errs = append(errs, fmt.Errorf("--te-backend %q: want %s or %s", *teBackend, config.BackendTCP, config.BackendMooncake))
 	}
 	if *rawMiB < 0 {
 		errs = append(errs, fmt.Errorf("--raw-mib %d: want >= 0", *rawMiB))
@@ -181,6 +188,9 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 				w.Interval = *interval
 			}
 			w.Layers = *layers
+			if *teBackend != config.BackendTCP {
+				w.TEBackend = *teBackend
+			}
 			if _, err := w.Size(int64(*maxMem * (1 << 30))); err != nil {
 				errs = append(errs, err)
 				continue

@@ -70,6 +70,15 @@ func (w Workload) config(role config.Role, rank, kvPort int, pool, local int) co
 		// The stalled rank's reads end at this timeout, so a run ends.
 		c.Read.Timeout = config.Duration(SlowReadTimeout)
 	}
+	if w.TEBackend != "" {
+		c.Node.TEBackend = w.TEBackend
+	}
+	if w.TEBackend == config.BackendMooncake {
+		c.Node.Mooncake.Protocol = "tcp" // loopback: no RDMA here
+		if role == config.Prefill {
+			c.Read.Grants = config.GrantsOff // Mooncake has none: say so, not warn
+		}
+	}
 	return c
 }
 

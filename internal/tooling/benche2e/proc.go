@@ -146,11 +146,14 @@ func startProc(ctx context.Context, w Workload, o *Process, log *slog.Logger) (_
 		cfg := w.config(config.Prefill, r, base, pool, local)
 		name := fmt.Sprintf("p%d", r)
 		shape(&cfg, name, pHost)
-		cfg.Node.TEPort = base + np + r
 		if hp := cfg.HandshakePort(); hp < base || hp >= base+np {
 			return nil, fmt.Errorf("prefill rank %d: handshake port %d outside %d..%d", r, hp, base, base+np-1)
 		}
-		relay = append(relay, cfg.HandshakePort(), cfg.Node.TEPort)
+		relay = append(relay, cfg.HandshakePort())
+		if cfg.Node.TEBackend != config.BackendMooncake { // Mooncake picks its RPC port (listenPorts finds it)
+			cfg.Node.TEPort = base + np + r
+			relay = append(relay, cfg.Node.TEPort)
+		}
 		wk, err := set.Launch(ctx, spec(name, cfg, pns))
 		if err != nil {
 			return nil, err

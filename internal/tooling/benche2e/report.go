@@ -6,6 +6,8 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+
+	"github.com/kvflow/kvflow/internal/config"
 )
 
 // Describe is the workload's one-line shape.
@@ -24,6 +26,12 @@ func (w Workload) Describe() string {
 	fmt.Fprintf(&b, ", TP %d → %d, %d KV heads × dim %d, block %d, bf16, %d of %d layers", w.PrefillTP, w.DecodeTP, w.KVHeads, w.HeadDim, w.BlockSize, w.Layers, w.ModelLayers)
 	if w.Layers < w.ModelLayers {
 		b.WriteString(" (fewer layers to fit the memory cap: per-op sizes are the full model's, requests carry fewer ops)")
+	}
+	if w.TEBackend != "" && w.TEBackend != config.BackendTCP {
+		fmt.Fprintf(&b, ", te_backend %s", w.TEBackend)
+		if w.TEBackend == config.BackendMooncake {
+			b.WriteString(" (its tcp transport)")
+		}
 	}
 	return b.String()
 }

@@ -38,6 +38,9 @@ type Workload struct {
 	BlockSize   int `json:"block_size"`
 	// Seed drives the small preset's block counts.
 	Seed uint64 `json:"seed"`
+	// TEBackend is the workers' node.te_backend ("": tcp); with mooncake
+	// they run Mooncake's engine over its tcp transport (loopback).
+	TEBackend string `json:"te_backend,omitempty"`
 }
 
 // Workload names.

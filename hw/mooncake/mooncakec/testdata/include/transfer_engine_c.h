@@ -77,6 +77,8 @@ int unregisterLocalMemory(transfer_engine_t engine, void *addr);
 
 /* Segments (peers). */
 segment_id_t openSegment(transfer_engine_t engine, const char *segment_name);
+segment_id_t openSegmentNoCache(transfer_engine_t engine,
+                                const char *segment_name);
 int closeSegment(transfer_engine_t engine, segment_id_t segment_id);
 
 /* Batches. */
