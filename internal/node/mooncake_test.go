@@ -27,7 +27,7 @@ import (
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/sidechannel"
-	"github.com/kvflow/kvflow/internal/verify"
+	"github.com/kvflow/kvflow/internal/tooling/verify"
 	"github.com/kvflow/kvflow/stages/plan"
 	"github.com/kvflow/kvflow/stages/read"
 )
