@@ -81,10 +81,22 @@
 // Reads before the grant. A prefill with read grants serves a request's
 // blocks only from its engine's send on, which may reach it a scheduler
 // step after the router handed the request to this decode. A batch the
-// peer refused outright (Failure.Refused, no op landed) is read again with
-// backoff (2 ms doubling to 100 ms) until Options.GrantWait (1 s) after
-// the job's admission; counted in kvflow_read_grant_waits_total. A job
-// whose blocks were freed (abort, forged DONE) fails that much later.
+// peer refused (Failure.Refused) is read again with backoff (2 ms doubling
+// to 100 ms) until Options.GrantWait (1 s) after the job's admission,
+// counted in kvflow_read_grant_waits_total, in two cases: no op landed
+// (refused outright), or some landed and every op that failed was refused
+// or skipped after the refusal (Failure.RefusedOnly: the grant reached the
+// peer while the batch was in flight, after it had checked some ops and
+// before others; the TCP engine spreads a batch over several connections).
+// Any other failure mixed in (a lost connection, a timeout) is not read
+// again here. The task is read again whole, not only its failed ops: the
+// ops that landed are the granted request's blocks, which the prefill
+// leaves as they are until this worker's DONE, read into the job's own
+// local blocks, which nothing reads before the job ends, so they land the
+// same bytes again (also when fused or gathered), and the batch stays one
+// unit whatever form (plain, strided, gathered, head-slice chunks) the
+// transfer runs it in. A job whose blocks were freed (abort, forged DONE)
+// fails that much later.
 //
 // Byte ledger: when the transfer also reports the bytes that landed per op
 // (Capabilities.Ledger; plain batches), the stage reconciles them with
