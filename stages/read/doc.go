@@ -96,7 +96,13 @@
 // same bytes again (also when fused or gathered), and the batch stays one
 // unit whatever form (plain, strided, gathered, head-slice chunks) the
 // transfer runs it in. A job whose blocks were freed (abort, forged DONE)
-// fails that much later.
+// fails that much later. A refusal cannot tell a grant not yet arrived
+// from one revoked: as for a read refused outright, blocks freed during
+// the batch and granted to another request within the window would be
+// read as this job's (grants are by block; the README's read grants). The
+// cgo engine reports a refused op as a plain failure: never read again.
+// Same-host reads (hw/shm) fail a batch with one error, classified by
+// internal/node as refused (never Moved), so any refused one is read again.
 //
 // Byte ledger: when the transfer also reports the bytes that landed per op
 // (Capabilities.Ledger; plain batches), the stage reconciles them with
