@@ -1,6 +1,7 @@
 package node
 
 import (
+	"fmt"
 	"testing"
 	"time"
 
@@ -14,8 +15,21 @@ import (
 // has sent the request (the send comes a scheduler step after the router
 // handed the request on). The refused read is tried again until the grant
 // arrives, and the request ends done byte for byte instead of failing.
+// The send may also reach the prefill while a batch is in flight: some
+// reads land, the rest are refused, and the batch is read again too.
+//
+// With node.te_backend shm the decode reads the mapped cache file and the
+// grant table refuses the same way (its request slot is granted before
+// the blocks' words, so a read there may also copy some ops and then be
+// refused).
 func TestReadBeforeSend(t *testing.T) {
-	c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), grants: true})
+	for _, shm := range []bool{false, true} {
+		t.Run(fmt.Sprintf("shm=%v", shm), func(t *testing.T) { readBeforeSend(t, shm) })
+	}
+}
+
+func readBeforeSend(t *testing.T, shm bool) {
+	c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), grants: true, shm: shm})
 	if r := pull(t, c, c.prefill[0], "warm", []int{1}, []int{1}, true); r.Err != nil {
 		t.Fatal(r.Err)
 	}
@@ -46,4 +60,9 @@ func TestReadBeforeSend(t *testing.T) {
 		t.Fatalf("result %+v, want late done", r)
 	}
 	checkBytes(t, c, "late", local, remote)
+	if shm {
+		if n := counter(t, c.regs[d], "kvflow_shm_batches_total", map[string]string{"path": "shm"}); n == 0 {
+			t.Error("the request was not read over shared memory")
+		}
+	}
 }

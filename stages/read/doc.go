@@ -81,10 +81,28 @@
 // Reads before the grant. A prefill with read grants serves a request's
 // blocks only from its engine's send on, which may reach it a scheduler
 // step after the router handed the request to this decode. A batch the
-// peer refused outright (Failure.Refused, no op landed) is read again with
-// backoff (2 ms doubling to 100 ms) until Options.GrantWait (1 s) after
-// the job's admission; counted in kvflow_read_grant_waits_total. A job
-// whose blocks were freed (abort, forged DONE) fails that much later.
+// peer refused (Failure.Refused) is read again with backoff (2 ms doubling
+// to 100 ms) until Options.GrantWait (1 s) after the job's admission,
+// counted in kvflow_read_grant_waits_total, in two cases: no op landed
+// (refused outright), or some landed and every op that failed was refused
+// or skipped after the refusal (Failure.RefusedOnly: the grant reached the
+// peer while the batch was in flight, after it had checked some ops and
+// before others; the TCP engine spreads a batch over several connections).
+// Any other failure mixed in (a lost connection, a timeout) is not read
+// again here. The task is read again whole, not only its failed ops: the
+// ops that landed are the granted request's blocks, which the prefill
+// leaves as they are until this worker's DONE, read into the job's own
+// local blocks, which nothing reads before the job ends, so they land the
+// same bytes again (also when fused or gathered), and the batch stays one
+// unit whatever form (plain, strided, gathered, head-slice chunks) the
+// transfer runs it in. A job whose blocks were freed (abort, forged DONE)
+// fails that much later. A refusal cannot tell a grant not yet arrived
+// from one revoked: as for a read refused outright, blocks freed during
+// the batch and granted to another request within the window would be
+// read as this job's (grants are by block; the README's read grants). The
+// cgo engine reports a refused op as a plain failure: never read again.
+// Same-host reads (hw/shm) fail a batch with one error, classified by
+// internal/node as refused (never Moved), so any refused one is read again.
 //
 // Byte ledger: when the transfer also reports the bytes that landed per op
 // (Capabilities.Ledger; plain batches), the stage reconciles them with

@@ -121,20 +121,32 @@ func AppendEngineOps(dst []mooncake.Op, r *plan.Reads) []mooncake.Op {
 
 // ClassifyFailure tells how a batch of a hw/mooncake engine failed: the
 // connection lost (refused at the RPC or data port, or closed or reset by
-// the peer: its process may have restarted), refused by the peer, and
-// whether any op landed first.
+// the peer: its process may have restarted), refused by the peer, whether
+// any op landed first, and whether refusals were all that failed
+// (RefusedOnly). It reads the engine's per-op errors (*mooncake.BatchError):
+// nil for an op that landed; mooncake.ErrRejected for one the peer
+// refused (the TCP engine's v2 reject status: a range not registered or,
+// with read grants, not granted); mooncake.ErrNotAttempted for one
+// skipped once another op had failed. The cgo engine reports a refused op
+// as a plain failed transfer, so its batches are never Refused.
 func ClassifyFailure(err error) Failure {
 	var f Failure
 	var be *mooncake.BatchError
+	refusedOnly := false
 	if errors.As(err, &be) {
+		refusedOnly = true
 		for _, e := range be.Errs {
-			if e == nil {
+			switch {
+			case e == nil:
 				f.Moved = true
-				break
+			case errors.Is(e, mooncake.ErrRejected), errors.Is(e, mooncake.ErrNotAttempted):
+			default:
+				refusedOnly = false
 			}
 		}
 	}
 	f.Refused = errors.Is(err, mooncake.ErrRejected)
+	f.RefusedOnly = f.Refused && refusedOnly
 	f.ConnLost = errors.Is(err, mooncake.ErrPeerClosed) || errors.Is(err, syscall.ECONNREFUSED) ||
 		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
 	return f

@@ -69,13 +69,16 @@ type Options struct {
 	// Guard, if it checks anything, is the stale-read guard around every
 	// read and before every retry (stale.go).
 	Guard *Guard
-	// GrantWait: a batch the peer refused outright (Failure.Refused, no op
-	// landed) is read again, with backoff, until GrantWait after the job's
-	// admission. A prefill with read grants serves a request's blocks only
-	// once its engine's send has reached it, which can come a scheduler
-	// step after the router handed the request to this decode. 0 = 1 s
-	// (tens of engine steps); negative: no wait. A request whose blocks
-	// were freed fails that much later.
+	// GrantWait: a batch the peer refused (Failure.Refused) is read
+	// again, whole, with backoff, until GrantWait after the job's
+	// admission, when no op of it landed or when refusals were all that
+	// failed (Failure.RefusedOnly: the grant arrived while the batch was
+	// in flight, so some ops landed and the rest were refused). A prefill
+	// with read grants serves a request's blocks only once its engine's
+	// send has reached it, which can come a scheduler step after the
+	// router handed the request to this decode. 0 = 1 s (tens of engine
+	// steps); negative: no wait. A request whose blocks were freed fails
+	// that much later.
 	GrantWait time.Duration
 	// BlockSize is the tokens per block (block_size). With a transfer
 	// that has LocalStride and P > 1 the stage reads every block straight
@@ -126,7 +129,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		m.retries.WithLabelValues(r)
 	}
 	m.grantWaits = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvflow_read_grant_waits_total",
-		Help: "Batches read again after the peer refused them before any byte landed, within read GrantWait of admission (the prefill's grant for the request may not have arrived yet)."})
+		Help: "Batches read again after the peer refused them (before any byte landed, or with refusals all that failed), within read GrantWait of admission (the prefill's grant for the request may not have arrived yet)."})
 	m.staleRefused = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kvflow_decode_stale_reads_refused_total",
 		Help: "Requests failed instead of read because their read would start past the prefill's abort timeout at a rank without a lease (blocks may have been freed).",
@@ -256,8 +259,13 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 		return err
 	}
 	f := s.caps.Classify(batchErr)
-	for backoff := 2 * time.Millisecond; f.Refused && !f.Moved; backoff = min(2*backoff, 100*time.Millisecond) {
-		// Refused before any byte: the peer may not have its grant yet.
+	for backoff := 2 * time.Millisecond; grantRace(f); backoff = min(2*backoff, 100*time.Millisecond) {
+		// The peer may not have had its grant when it checked the refused
+		// ops. The whole task is read again: the ops that landed are the
+		// granted request's own blocks, which the prefill does not change
+		// until our DONE, into this job's own local blocks, which nothing
+		// reads before the job ends; so reading them again writes the
+		// same bytes.
 		if time.Since(j.Submitted)+backoff > s.opts.GrantWait {
 			break
 		}
@@ -279,6 +287,15 @@ func (s *Stage) task(ctx context.Context, j *job.Job, i int) error {
 		return err
 	}
 	return s.recover(ctx, j, i, err, f)
+}
+
+// grantRace reports whether a failed batch may have met a prefill whose
+// grant for the request had not arrived yet: refused with no op landed
+// (as before a grant), or with some ops landed and nothing but refusals
+// among the rest (the grant arrived while the batch was in flight). Any
+// other failure is not read again here.
+func grantRace(f Failure) bool {
+	return f.Refused && (!f.Moved || f.RefusedOnly)
 }
 
 // recover handles task i's failed batch (err; f, how it failed): it

@@ -25,6 +25,14 @@ type Failure struct {
 	// Refused: the peer answered and refused the reads (with read grants,
 	// blocks it does not serve: not yet sent, or already freed).
 	Refused bool
+	// RefusedOnly: Refused, and every op of the batch that failed was
+	// refused by the peer or skipped after the refusal (not attempted):
+	// nothing else went wrong (no lost connection, timeout or local
+	// error). With Moved it is the batch a grant arriving mid-batch
+	// leaves behind: the ops the peer checked before the grant refused,
+	// the others landed. The stage reads it again like a batch refused
+	// outright (read.go, Options.GrantWait).
+	RefusedOnly bool
 }
 
 // Refetcher returns the current metadata of task's rank after a read with
