@@ -122,8 +122,5 @@ func parseFlags(fs *flag.FlagSet, args []string, stdout io.Writer) error {
 		}
 		return usageError{err}
 	}
-	if fs.NArg() > 0 {
-		return usagef("unexpected arguments %q", fs.Args())
-	}
-	return nil
+	return clierr.ArgsLeft(fs, args)
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/kvflow/kvflow/hw/npu"
+	"github.com/kvflow/kvflow/internal/cli/clierr"
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/control"
 	"github.com/kvflow/kvflow/internal/decode"
@@ -39,8 +40,8 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 		return usageError{err}
 	}
-	if fs.NArg() > 0 {
-		return usagef("unexpected arguments %q", fs.Args())
+	if err := clierr.ArgsLeft(fs, args); err != nil {
+		return err
 	}
 	// --print-config shows only a configuration serve would run: an
 	// invalid one is reported (exit 2), not printed.
