@@ -100,6 +100,10 @@ type ServerOptions struct {
 	Curve *Curve
 	// Logger overrides the context's logger.
 	Logger *slog.Logger
+	// Name is what the socket is called in its log lines ("side channel
+	// listening"); the control socket, which is a router of this package
+	// too, is "control socket". Empty: "side channel".
+	Name string
 	// Limits, for a tcp endpoint, puts a front on the port that bounds
 	// the connections it takes (see Limits); nil: libzmq accepts alone,
 	// without bound.
@@ -310,7 +314,11 @@ func newServer(zctx *Context, opts ServerOptions, ep endpoint, h Handler, raw Ra
 			auth = fmt.Sprintf("curve, %d authorized client keys", len(opts.Curve.AuthorizedClients))
 		}
 	}
-	s.log.Info("side channel listening", "auth", auth)
+	name := opts.Name
+	if name == "" {
+		name = "side channel"
+	}
+	s.log.Info(name+" listening", "auth", auth)
 	return s, nil
 }
 
