@@ -106,6 +106,12 @@ func newFlagSet(name string) *flag.FlagSet {
 
 // printHelp writes the usage line and flags of fs to w.
 func printHelp(fs *flag.FlagSet, w io.Writer) {
+	n := 0
+	fs.VisitAll(func(*flag.Flag) { n++ })
+	if n == 0 {
+		fmt.Fprintf(w, "usage: kvflow %s\n\n(no flags)\n", fs.Name())
+		return
+	}
 	fmt.Fprintf(w, "usage: kvflow %s [flags]\n\nflags:\n", fs.Name())
 	fs.SetOutput(w)
 	fs.PrintDefaults()

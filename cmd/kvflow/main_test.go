@@ -53,6 +53,7 @@ func TestUsage(t *testing.T) {
 		{[]string{"help"}, exitOK, "commands:"},
 		{[]string{"nope"}, exitUsage, `unknown command "nope"`},
 		{[]string{"version"}, exitOK, "kvflow"},
+		{[]string{"version", "-h"}, exitOK, "usage: kvflow version\n\n(no flags)"},
 		{[]string{"serve"}, exitUsage, "kv_transfer_config.kv_role"},
 		{[]string{"serve", "--tp-rank", "x"}, exitUsage, "tp-rank"},
 		{[]string{"serve", "--config", "/nonexistent.json"}, exitUsage, "nonexistent"},
