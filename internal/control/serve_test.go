@@ -273,7 +273,7 @@ func TestServeLogsControlSocket(t *testing.T) {
 	if err := zctx.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if got := buf.String(); !strings.Contains(got, `msg="control socket listening"`) || strings.Contains(got, "side channel listening") {
+	if got := buf.String(); !strings.Contains(got, `msg="control socket listening"`) || !strings.Contains(got, `msg="control socket closed"`) || strings.Contains(got, "side channel") {
 		t.Fatalf("log:\n%s\nwant \"control socket listening\" and no \"side channel listening\"", got)
 	}
 }
