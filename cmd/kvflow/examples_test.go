@@ -18,7 +18,7 @@ import (
 	"github.com/kvflow/kvflow/internal/tooling/workers"
 )
 
-// The README's "Running a worker" commands name every example config, and
+// The README's "Run a prefill and a decode worker" commands name every example config, and
 // each example runs as written on one machine: `kvflow serve` on it gets
 // ready (/readyz 200), and the prefill and decode examples together move a
 // request (a decode rank reaches every prefill rank it needs). The configs
