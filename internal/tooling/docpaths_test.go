@@ -152,3 +152,28 @@ func TestDocPathExistsCatches(t *testing.T) {
 		t.Errorf("expandBraces = %q", got)
 	}
 }
+
+// TestReadmeNamesEveryPackageRoot checks that the README's layout names each
+// directory under hw/ and internal/ (a new package a reader cannot place is
+// how the layout table went stale).
+func TestReadmeNamesEveryPackageRoot(t *testing.T) {
+	root, err := filepath.Abs("../..")
+	if err != nil {
+		t.Fatal(err)
+	}
+	readme, err := os.ReadFile(filepath.Join(root, "README.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, top := range []string{"hw", "internal"} {
+		entries, err := os.ReadDir(filepath.Join(root, top))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range entries {
+			if e.IsDir() && !strings.Contains(string(readme), "`"+top+"/"+e.Name()) {
+				t.Errorf("README.md does not name %s/%s (add it to the layout table)", top, e.Name())
+			}
+		}
+	}
+}
