@@ -68,6 +68,7 @@ func TestUsage(t *testing.T) {
 		{[]string{"serve", "--config", "../../deploy/examples/prefill.json", "--kv-transfer-config", `{"kv_role":"kv_producer"}`, "--role", "decode", "--print-config"},
 			exitUsage, `kv_transfer_config.kv_role: conflicting values: --kv-transfer-config gives "kv_producer", --role gives "kv_consumer"`},
 		{[]string{"probe"}, exitUsage, "--remote"},
+		{[]string{"probe", "-h"}, exitOK, "the prefill frees that request's blocks"},
 		{[]string{"bench"}, exitUsage, "subcommand"},
 		{[]string{"bench", "xx"}, exitUsage, "unknown subcommand"},
 		{[]string{"demo", "--requests", "0"}, exitUsage, "requests"},
