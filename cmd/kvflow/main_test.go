@@ -55,6 +55,7 @@ func TestUsage(t *testing.T) {
 		{[]string{"version"}, exitOK, "kvflow"},
 		{[]string{"version", "-h"}, exitOK, "usage: kvflow version\n\n(no flags)"},
 		{[]string{"serve"}, exitUsage, "kv_transfer_config.kv_role"},
+		{[]string{"serve"}, exitUsage, "no --config given: start from deploy/examples/prefill.json"},
 		{[]string{"serve", "--tp-rank", "x"}, exitUsage, "tp-rank"},
 		{[]string{"serve", "--config", "/nonexistent.json"}, exitUsage, "nonexistent"},
 		{[]string{"serve", "extra-arg", "--print-config"}, exitUsage, "unexpected arguments"},

@@ -46,6 +46,10 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	// --print-config shows only a configuration serve would run: an
 	// invalid one is reported (exit 2), not printed.
 	if err := cfg.Validate(); err != nil {
+		if f := fs.Lookup("config"); f != nil && f.Value.String() == "" {
+			// Most likely a first run: say where a working file is.
+			return usageError{fmt.Errorf("invalid configuration:\n%w\n(no --config given: start from deploy/examples/prefill.json or decode.json, or see kvflow serve --help)", err)}
+		}
 		return usageError{fmt.Errorf("invalid configuration:\n%w", err)}
 	}
 	if *printConfig {
