@@ -287,7 +287,7 @@ func (c *Client) SendDoneBatched(ctx context.Context, endpoint, reqID string) er
 		c.startBatcher(p) // hands our slot to a batcher for the queued ids
 		return err
 	}
-	w := &doneWaiter{id: reqID, done: make(chan struct{})}
+	w := &doneWaiter{id: reqID, ctx: ctx, done: make(chan struct{})}
 	p.pending = append(p.pending, w)
 	start := p.batchers < c.opts.MaxDoneBatchesPerPeer
 	if start {
@@ -318,11 +318,12 @@ func (c *Client) SendDoneBatched(ctx context.Context, endpoint, reqID string) er
 	return fmt.Errorf("sidechannel %s %s: %w", opDoneBatch, ep.key, context.Cause(ctx))
 }
 
-// doneWaiter is one SendDoneBatched caller. id and done are set at
+// doneWaiter is one SendDoneBatched caller. id, ctx and done are set at
 // creation; err is written once by the batcher before it closes done;
 // abandoned is guarded by peer.bmu.
 type doneWaiter struct {
 	id        string
+	ctx       context.Context // the caller's: once it ends, id is never taken into a batch
 	done      chan struct{}
 	err       error
 	abandoned bool
@@ -665,7 +666,10 @@ func (p *peer) takeBatch() []*doneWaiter {
 	size, i := 0, 0
 	for ; i < len(p.pending) && len(batch) < wire.MaxDoneBatchIDs; i++ {
 		w := p.pending[i]
-		if w.abandoned {
+		// A caller whose ctx has ended is dropped even if its goroutine has
+		// not yet woken to mark itself abandoned: "not yet sent when ctx
+		// ended" must not depend on which goroutine runs first.
+		if w.abandoned || w.ctx.Err() != nil {
 			continue
 		}
 		if len(batch) > 0 && size+len(w.id) > maxDoneBatchBytes {

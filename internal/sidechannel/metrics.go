@@ -51,7 +51,7 @@ const (
 
 var (
 	clientOutcomes = []string{outcomeOK, outcomeTimeout, outcomeCanceled, outcomeTransport, outcomeBadReply, outcomeRemoteError, outcomeClosed, outcomeInvalid}
-	serverOutcomes = []string{outcomeOK, outcomeHandlerError, outcomeSendError}
+	serverOutcomes = []string{outcomeOK, outcomeHandlerError, outcomeSendError, outcomeDuplicate}
 	badReasons     = []string{badEnvelope, badDecode, badUnknown}
 	resetReasons   = []string{resetTimeout, resetError, resetCanceled}
 	authReasons    = []string{authDeniedKey, authDeniedMechanism, authDeniedUnknownDomain, authDeniedBadRequest}
