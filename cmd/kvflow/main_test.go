@@ -347,12 +347,13 @@ func TestExitCodes(t *testing.T) {
 	closedAddr := closed.Addr().String()
 	closed.Close()
 	dir := t.TempDir()
-	free, err := net.Listen("tcp", "127.0.0.1:0")
+	// Below the ephemeral range (a port from a closed :0 listener is in it,
+	// free for any outgoing connection to take before serve binds it).
+	fp, err := workers.FreePorts(1)
 	if err != nil {
 		t.Fatal(err)
 	}
-	freePort := fmt.Sprint(free.Addr().(*net.TCPAddr).Port)
-	free.Close()
+	freePort := fmt.Sprint(fp)
 	// A prefill worker of the example with its per-machine names moved
 	// into the test's directory and free ports.
 	prefill := func(extra ...string) []string {

@@ -19,6 +19,7 @@ import (
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/sidechannel"
+	"github.com/kvflow/kvflow/internal/tooling/testkit"
 )
 
 // TestDataPlaneAuth: with auth.mode curve, the transfer engines of both
@@ -77,7 +78,7 @@ func TestDataPlaneAuth(t *testing.T) {
 			}
 			var p *Node
 			for range 8 {
-				c.kvPort = 20000 + int(time.Now().UnixNano()%30000)
+				c.kvPort = testkit.RandomPort()
 				pc := baseConfig(tp, "prefill", c.kvPort)
 				pc.Auth = config.Auth{Mode: config.AuthCurve, SecretKeyFile: pSec, PublicKeyFile: pPub, AuthorizedKeysFile: tc.authorizedKeys}
 				var err error
@@ -202,7 +203,7 @@ func TestDataPlanePlain(t *testing.T) {
 			tp := topo{prefillTP: 1, decodeTP: 1, model: gqa(2)}
 			var p *Node
 			for range 8 {
-				pc := baseConfig(tp, "prefill", 20000+int(time.Now().UnixNano()%30000))
+				pc := baseConfig(tp, "prefill", testkit.RandomPort())
 				pc.Auth = tc.auth
 				var err error
 				if p, err = Start(pc, Deps{}); err == nil {

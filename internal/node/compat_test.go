@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/hex"
 	"fmt"
-	"math/rand/v2"
 	"slices"
 	"strings"
 	"sync"
@@ -19,6 +18,7 @@ import (
 	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/sidechannel"
 	"github.com/kvflow/kvflow/internal/sidechannel/wire"
+	"github.com/kvflow/kvflow/internal/tooling/testkit"
 )
 
 // pair is one prefill and one decode worker (TP 1 each) on loopback, the
@@ -34,7 +34,7 @@ type pair struct {
 func startPair(t *testing.T, tp topo, mutate func(*config.Config)) *pair {
 	t.Helper()
 	for range 8 {
-		kvPort := 20000 + rand.IntN(30000)
+		kvPort := testkit.RandomPort()
 		pc := baseConfig(tp, "prefill", kvPort)
 		if mutate != nil {
 			mutate(&pc)

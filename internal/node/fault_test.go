@@ -17,6 +17,7 @@ import (
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/sidechannel"
+	"github.com/kvflow/kvflow/internal/tooling/testkit"
 )
 
 func load(t *testing.T, d *Node, id string, local, remote []int, port int, engine string) error {
@@ -196,7 +197,7 @@ func TestStageMetrics(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	results := make(chan decode.Result, 4)
 	for range 8 {
-		kvPort = 20000 + int(time.Now().UnixNano()%30000)
+		kvPort = testkit.RandomPort()
 		cfg := baseConfig(tp, "prefill", kvPort)
 		var err error
 		if p, err = Start(cfg, Deps{}); err != nil {
@@ -292,7 +293,7 @@ func TestCurveAuth(t *testing.T) {
 	results := make(chan decode.Result, 4)
 	var kvPort int
 	for range 8 {
-		kvPort = 20000 + int(time.Now().UnixNano()%30000)
+		kvPort = testkit.RandomPort()
 		pc := baseConfig(tp, "prefill", kvPort)
 		pc.Auth = config.Auth{Mode: config.AuthCurve, SecretKeyFile: pSec, PublicKeyFile: pPub}
 		var err error

@@ -27,6 +27,7 @@ import (
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/sidechannel"
+	"github.com/kvflow/kvflow/internal/tooling/testkit"
 	"github.com/kvflow/kvflow/internal/tooling/verify"
 	"github.com/kvflow/kvflow/stages/plan"
 	"github.com/kvflow/kvflow/stages/read"
@@ -299,7 +300,7 @@ func TestMooncakeDecodeFromSeedPrefill(t *testing.T) {
 	}
 
 	results := make(chan decode.Result, len(reqs))
-	d, err := Start(baseConfig(tp, "decode", 21000+port%20000), Deps{OnFinish: func(r decode.Result) { results <- r }})
+	d, err := Start(baseConfig(tp, "decode", testkit.RandomPort()), Deps{OnFinish: func(r decode.Result) { results <- r }})
 	if err != nil {
 		t.Fatal(err)
 	}

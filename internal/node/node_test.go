@@ -14,6 +14,7 @@ import (
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/prefill"
+	"github.com/kvflow/kvflow/internal/tooling/testkit"
 	"github.com/kvflow/kvflow/internal/tooling/verify"
 	"github.com/kvflow/kvflow/stages/plan"
 )
@@ -113,7 +114,7 @@ func startCluster(t *testing.T, tp topo, mutate ...func(role string, c *config.C
 	t.Helper()
 	var lastErr error
 	for attempt := range 8 {
-		kvPort := 20000 + rand.IntN(30000)
+		kvPort := testkit.RandomPort()
 		c, err := tryCluster(t, tp, kvPort, mutate...)
 		if err == nil {
 			return c

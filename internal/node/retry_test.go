@@ -16,6 +16,7 @@ import (
 	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/sidechannel"
 	"github.com/kvflow/kvflow/internal/sidechannel/wire"
+	"github.com/kvflow/kvflow/internal/tooling/testkit"
 )
 
 // countingRouter is a side channel on a real ZMQ ROUTER socket that counts
@@ -121,7 +122,7 @@ func TestRetriesFollowConfig(t *testing.T) {
 	results := make(chan decode.Result, 8)
 	var p, d *Node
 	for range 8 {
-		kvPort := 20000 + int(time.Now().UnixNano()%30000)
+		kvPort := testkit.RandomPort()
 		var err error
 		if p, err = Start(baseConfig(tp, "prefill", kvPort), Deps{}); err != nil {
 			continue

@@ -56,8 +56,8 @@ func TestOnFreePort(t *testing.T) {
 			seen := map[int]bool{}
 			port, err := OnFreePort(func(string, ...any) { logged++ }, func(p int) error {
 				calls++
-				if p < 20000 || p >= 50000 {
-					t.Errorf("port %d outside [20000, 50000)", p)
+				if p < PortLow || p >= PortHigh || p+1000 >= 32768 {
+					t.Errorf("port %d outside [%d, %d) or its +1000 in the ephemeral range", p, PortLow, PortHigh)
 				}
 				seen[p] = true
 				if calls <= c.fails {
