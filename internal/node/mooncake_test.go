@@ -169,7 +169,7 @@ func TestMooncakePrefillRestart(t *testing.T) {
 		{"cgo-prefill-new-port", mc, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), prefillTE: tc.prefillTE, decodeTE: mc})
+			c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), prefillTE: tc.prefillTE, decodeTE: mc}, patientRefetch)
 			if r := pull(t, c, c.prefill[0], "before", []int{1, 2}, []int{3, 4}, true); r.Err != nil {
 				t.Fatalf("request before the restart: %v", r.Err)
 			}

@@ -64,6 +64,18 @@ func restartPrefillWith(t *testing.T, c *cluster, epoch uint64, mutate func(*con
 	}
 }
 
+// patientRefetch gives the decode's re-fetch after a failed read 30 s
+// instead of read's 500 ms. A restarted prefill's side channel answers
+// once the decode's ZMQ socket has reconnected (every 100 ms): 100-190 ms
+// here when idle, but past 500 ms on a starved machine (CI's 2 cores under
+// go test -race), where the request then failed "re-fetch exceeded 500ms"
+// instead of exercising the retry these tests are about.
+func patientRefetch(role string, c *config.Config) {
+	if role == "decode" {
+		c.Read.RefetchTimeout = 30 * time.Second
+	}
+}
+
 // pull hands request id's blocks from p to d (filled with a pattern only
 // this request and rank produce) and waits for its result.
 func pull(t *testing.T, c *cluster, p *Node, id string, local, remote []int, fill bool) decode.Result {
@@ -126,7 +138,7 @@ func TestPrefillRestartBetweenRequests(t *testing.T) {
 		{"shm-grants-on", true, false, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), grants: tc.grants, shm: tc.shm})
+			c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), grants: tc.grants, shm: tc.shm}, patientRefetch)
 			if r := pull(t, c, c.prefill[0], "before", []int{1, 2}, []int{3, 4}, true); r.Err != nil {
 				t.Fatalf("request before the restart: %v", r.Err)
 			}
@@ -195,7 +207,7 @@ func TestPrefillRestartLosesHeldRequest(t *testing.T) {
 
 func testPrefillRestartLosesHeldRequest(t *testing.T, shm bool) {
 	t.Run("grants refuse the re-read", func(t *testing.T) {
-		c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), grants: true, shm: shm})
+		c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), grants: true, shm: shm}, patientRefetch)
 		if r := pull(t, c, c.prefill[0], "warm", []int{1}, []int{1}, true); r.Err != nil {
 			t.Fatal(r.Err)
 		}
@@ -211,7 +223,7 @@ func testPrefillRestartLosesHeldRequest(t *testing.T, shm bool) {
 		t.Logf("failed: %v", r.Err)
 	})
 	t.Run("booted after admission", func(t *testing.T) {
-		c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), shm: shm})
+		c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2), shm: shm}, patientRefetch)
 		if r := pull(t, c, c.prefill[0], "warm", []int{1}, []int{1}, true); r.Err != nil {
 			t.Fatal(r.Err)
 		}
@@ -234,7 +246,7 @@ func testPrefillRestartLosesHeldRequest(t *testing.T, shm bool) {
 // request fails naming the field, never ends done with the old shape's
 // address arithmetic over the new cache.
 func TestPrefillRestartWithOtherCache(t *testing.T) {
-	c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2)})
+	c := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2)}, patientRefetch)
 	if r := pull(t, c, c.prefill[0], "before", []int{1, 2}, []int{3, 4}, true); r.Err != nil {
 		t.Fatalf("request before the restart: %v", r.Err)
 	}

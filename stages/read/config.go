@@ -44,6 +44,11 @@ type Config struct {
 	// costs no pass of its own over the cache. False reads as the seed
 	// does and runs the stitch kernel afterwards. The bytes are the same.
 	FusedStitch bool `json:"fused_stitch"`
+	// RefetchTimeout is Options.RefetchTimeout (0: its default, 500 ms).
+	// Not a configuration key: tests that restart a peer on a starved
+	// machine lengthen it, where the side channel's reconnect can take
+	// longer than the default.
+	RefetchTimeout time.Duration `json:"-"`
 }
 
 // DefaultConfig is the read stage's defaults.
@@ -200,7 +205,7 @@ func New(cfg Config, d Deps) (*Stage, error) {
 	o := Options{
 		Layout: d.Layout, Local: d.Local, BlockSize: d.BlockSize,
 		PerSession: cfg.PerPeerConcurrency, Timeout: cfg.Timeout.D(), NoFuse: !cfg.FusedStitch,
-		Guard: d.Guard, Registerer: d.Registerer,
+		RefetchTimeout: cfg.RefetchTimeout, Guard: d.Guard, Registerer: d.Registerer,
 	}
 	if d.Peers != nil {
 		o.Invalidate, o.Refetch = d.Peers.Invalidate, d.Peers.Refetch
