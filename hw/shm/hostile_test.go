@@ -1,0 +1,88 @@
+//go:build linux
+
+package shm
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"hash/crc32"
+	"os"
+	"path/filepath"
+	"runtime"
+	"syscall"
+	"testing"
+)
+
+// hostileFile writes a cache file whose header is a good one edited by
+// edit (its checksum made right again), size bytes long, and returns a
+// claim that describes it exactly as a hostile prefill would.
+func hostileFile(t *testing.T, p *prefill, name string, size int64, edit func(h []byte)) Claim {
+	t.Helper()
+	h := bytes.Clone(p.claim.Header)
+	edit(h)
+	n := binary.LittleEndian.Uint32(h[12:])
+	binary.LittleEndian.PutUint32(h[n:], crc32.Checksum(h[:n], crc32.MakeTable(crc32.Castagnoli)))
+	path := filepath.Join(filepath.Dir(p.claim.Path), name)
+	must(t, os.WriteFile(path, h, 0o600))
+	must(t, os.Truncate(path, size))
+	st, err := os.Stat(path)
+	must(t, err)
+	sys := st.Sys().(*syscall.Stat_t)
+	c := p.claim
+	c.Path, c.Dev, c.Ino, c.Size, c.Header = path, uint64(sys.Dev), uint64(sys.Ino), uint64(size), h
+	return c
+}
+
+// TestOpenRefusesHostileHeader: a claim is checked against its file, but
+// a hostile prefill writes both, with a checksum that matches. A header
+// whose data offset wraps the file size around 2^64, or whose shape has
+// billions of layers in a small file, is refused (ErrMismatch) without
+// a panic and without sizing anything by it.
+func TestOpenRefusesHostileHeader(t *testing.T) {
+	dir := t.TempDir()
+	p := newPrefill(t, dir, testShape, 1)
+	d := decodeMem(t, testShape)
+	le := binary.LittleEndian
+	dataSize := le.Uint64(p.claim.Header[112:])
+	for _, tc := range []struct {
+		name string
+		size int64
+		edit func(h []byte)
+	}{
+		// data offset + data size wraps to 8192: a file of 8 KiB "holds"
+		// data at offset 2^64 - dataSize + 8192.
+		{"data offset wraps", 8192, func(h []byte) {
+			off := -dataSize + 8192
+			le.PutUint64(h[104:], off)
+			le.PutUint64(h[120:], off+dataSize)
+		}},
+		{"data offset past int64", 1 << 20, func(h []byte) {
+			le.PutUint64(h[104:], 1<<63)
+			le.PutUint64(h[120:], 1<<63+dataSize)
+		}},
+		// 2^22 layers: 2^23 cache offsets (64 MiB) for a 1 MiB file.
+		{"millions of layers", 1 << 20, func(h []byte) {
+			le.PutUint64(h[32:], 1<<22)
+			le.PutUint64(h[112:], (1<<22)*dataSize/uint64(testShape.NumLayers))
+			le.PutUint64(h[120:], le.Uint64(h[104:])+le.Uint64(h[112:]))
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := hostileFile(t, p, tc.name, tc.size, tc.edit)
+			var before, after runtime.MemStats
+			runtime.ReadMemStats(&before)
+			r, err := Open(c, Options{BaseAddrs: p.host.BaseAddrs(), Local: caches(d)})
+			runtime.ReadMemStats(&after)
+			if r != nil {
+				r.Close()
+			}
+			if !errors.Is(err, ErrMismatch) || r != nil {
+				t.Fatalf("Open: %v (reader %v), want %v", err, r != nil, ErrMismatch)
+			}
+			if n := after.TotalAlloc - before.TotalAlloc; n > 8<<20 {
+				t.Fatalf("Open allocated %d bytes for a refused claim", n)
+			}
+		})
+	}
+}
