@@ -86,3 +86,21 @@ func TestOpenRefusesHostileHeader(t *testing.T) {
 		})
 	}
 }
+
+// TestReadStrideOverflow: a stride whose span wraps 2^64 (rows x pitch) is
+// refused as out of range, not resolved to a short span and then sliced
+// past it (a panic).
+func TestReadStrideOverflow(t *testing.T) {
+	dir := t.TempDir()
+	p := newPrefill(t, dir, testShape, 1)
+	d := decodeMem(t, testShape)
+	r := open(t, p, d)
+	must(t, p.table.GrantAll())
+	op := blockOps(p.host, d, []int{0}, []int{0})[0]
+	op.Len = 3 // (3-1) x 2^63 wraps to 0: a span of one byte
+	for _, s := range []Stride{{Row: 1, Pitch: 1 << 63}, {Row: 1, Pitch: 1 << 63, Gather: true}} {
+		if err := r.Read(t.Context(), "", []Op{op}, s); !errors.Is(err, ErrRange) {
+			t.Errorf("stride %+v: %v, want %v", s, err, ErrRange)
+		}
+	}
+}

@@ -503,6 +503,9 @@ func (r *Reader) resolve(op Op, s Stride) (plan, error) {
 			return plan{}, fmt.Errorf("%w: %d bytes are not rows of %d", ErrRange, op.Len, s.Row)
 		}
 		p.rows = op.Len / s.Row
+		if p.rows-1 > (^uint64(0)-s.Row)/s.Pitch {
+			return plan{}, fmt.Errorf("%w: %d rows %d bytes apart overflow", ErrRange, p.rows, s.Pitch)
+		}
 		if p.gather {
 			rn = (p.rows-1)*s.Pitch + s.Row
 		} else {
