@@ -12,6 +12,8 @@ import (
 	"runtime"
 	"syscall"
 	"testing"
+
+	"github.com/kvflow/kvflow/hw/npu"
 )
 
 // hostileFile writes a cache file whose header is a good one edited by
@@ -103,4 +105,59 @@ func TestReadStrideOverflow(t *testing.T) {
 			t.Errorf("stride %+v: %v, want %v", s, err, ErrRange)
 		}
 	}
+}
+
+// TestOpenRefusesForeignCache: a hostile prefill on this host names
+// another worker's cache file (whose identity and header it can learn or
+// rebuild without reading the file) with a grant table of its own. The
+// decode could read that file where the prefill cannot, and would serve
+// another tenant's KV cache as the hostile prefill's. The table must be
+// the cache file's own ("<cache>.grants") and have the cache file's owner.
+func TestOpenRefusesForeignCache(t *testing.T) {
+	dir := t.TempDir()
+	victim := newPrefill(t, dir, testShape, 1)
+	hostile := newPrefill(t, dir, testShape, 2)
+	d := decodeMem(t, testShape)
+	must(t, hostile.table.GrantAll())
+
+	t.Run("own table elsewhere", func(t *testing.T) {
+		c := victim.claim
+		c.Grants, c.GrantsDev, c.GrantsIno, c.Epoch = hostile.claim.Grants, hostile.claim.GrantsDev, hostile.claim.GrantsIno, hostile.claim.Epoch
+		r, err := Open(c, Options{BaseAddrs: victim.host.BaseAddrs(), Local: caches(d)})
+		if r != nil {
+			r.Close()
+		}
+		if !errors.Is(err, ErrMismatch) {
+			t.Fatalf("Open of another's cache with the hostile table: %v, want %v", err, ErrMismatch)
+		}
+	})
+
+	t.Run("table next to it, another owner", func(t *testing.T) {
+		if os.Geteuid() != 0 {
+			t.Skip("needs root to give the table another owner")
+		}
+		// A cache file with no table yet (a worker not offering shm): the
+		// hostile prefill creates "<cache>.grants" (a shared directory
+		// such as /dev/shm lets it), owned by itself.
+		l, err := npu.NewLayout(testShape)
+		must(t, err)
+		path := filepath.Join(dir, "lonely")
+		h, err := npu.CreateShm(path, l, npu.HostOptions{NoLock: true, NoHugePages: true})
+		must(t, err)
+		defer h.Close()
+		tb, err := CreateTable(path+".grants", testShape.NumBlocks, 0)
+		must(t, err)
+		defer tb.Close(true)
+		must(t, tb.GrantAll())
+		must(t, os.Chown(path+".grants", 4242, 4242))
+		c, err := MakeClaim(path, tb)
+		must(t, err)
+		r, err := Open(c, Options{BaseAddrs: h.BaseAddrs(), Local: caches(d)})
+		if r != nil {
+			r.Close()
+		}
+		if !errors.Is(err, ErrMismatch) {
+			t.Fatalf("Open with a table of another owner: %v, want %v", err, ErrMismatch)
+		}
+	})
 }

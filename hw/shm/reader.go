@@ -93,6 +93,7 @@ type Reader struct {
 	slots   int // request slots of the table
 	epoch   uint64
 	pidfd   int
+	uid     uint32 // the cache file's owner, which the table's must be
 	remote  []span // the peer's caches by address
 	local   []span // this process's memory by address
 
@@ -130,6 +131,14 @@ func Open(c Claim, opts Options) (*Reader, error) {
 	if c.HostID == "" || c.HostID != id {
 		return nil, fmt.Errorf("%w: claim says host %q, this is %q", ErrNotSameHost, c.HostID, id)
 	}
+	// The grant table is bound to the cache file: next to it, with its
+	// owner. Otherwise a hostile prefill could name another worker's
+	// cache (its identity and header are no secret) with a table of its
+	// own, and this process, which may read that file where the prefill
+	// cannot, would serve that cache's bytes as the prefill's.
+	if c.Grants != c.Path+TableSuffix {
+		return nil, fmt.Errorf("%w: grant table %q is not the cache file's (%q)", ErrMismatch, c.Grants, c.Path+TableSuffix)
+	}
 	cf, st, err := openChecked(c.Path, c.Dev, c.Ino)
 	if err != nil {
 		return nil, err
@@ -153,7 +162,7 @@ func Open(c Claim, opts Options) (*Reader, error) {
 	if len(opts.BaseAddrs) != l.NumCaches() {
 		return nil, fmt.Errorf("%w: %d base addresses for a file of %d caches", ErrMismatch, len(opts.BaseAddrs), l.NumCaches())
 	}
-	r := &Reader{layout: l, nblocks: l.Shape().NumBlocks, epoch: c.Epoch, pidfd: -1}
+	r := &Reader{layout: l, nblocks: l.Shape().NumBlocks, epoch: c.Epoch, pidfd: -1, uid: st.Sys().(*syscall.Stat_t).Uid}
 	if err := r.openTableSafe(c); err != nil {
 		r.release()
 		return nil, err
@@ -254,6 +263,9 @@ func (r *Reader) openTable(c Claim) error {
 		return err
 	}
 	defer f.Close()
+	if uid := st.Sys().(*syscall.Stat_t).Uid; uid != r.uid {
+		return fmt.Errorf("%w: grant table %s is owned by uid %d, the cache file by uid %d", ErrMismatch, c.Grants, uid, r.uid)
+	}
 	// Its header is read before anything is mapped.
 	head := make([]byte, tableHeader)
 	if _, err := f.ReadAt(head, 0); err != nil {

@@ -355,7 +355,7 @@ func (g tableGrants) RevokeAll() error {
 // granted for good, as the TCP engine serves every block then.
 func (n *Node) openGrantTable(next prefill.Grants, log *slog.Logger) (prefill.Grants, *sidechannel.SameHost, error) {
 	path := n.Config.CachePath()
-	t, err := shm.CreateTable(path+".grants", n.Shape.NumBlocks, 0)
+	t, err := shm.CreateTable(path+shm.TableSuffix, n.Shape.NumBlocks, 0)
 	if err != nil {
 		return nil, nil, fmt.Errorf("node: te_backend shm: %w", err)
 	}
