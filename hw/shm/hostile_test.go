@@ -161,3 +161,23 @@ func TestOpenRefusesForeignCache(t *testing.T) {
 		}
 	})
 }
+
+// TestTruncatedTableFaults: a grant table truncated under the mapping
+// (its writer is the peer) fails the read instead of crashing.
+func TestTruncatedTableFaults(t *testing.T) {
+	dir := t.TempDir()
+	p := newPrefill(t, dir, testShape, 1)
+	d := decodeMem(t, testShape)
+	r := open(t, p, d)
+	must(t, p.table.Grant([]int{3}))
+	st, err := os.Stat(p.claim.Grants)
+	must(t, err)
+	must(t, os.Truncate(p.claim.Grants, 0))
+	// The owner's own mapping faults too (a Table is its writer's, which
+	// alone may truncate it): give its size back before it closes.
+	defer os.Truncate(p.claim.Grants, st.Size())
+	err = r.Read(t.Context(), "req", blockOps(p.host, d, []int{3}, []int{3}), Stride{})
+	if !errors.Is(err, ErrFault) {
+		t.Fatalf("read with a truncated grant table: %v, want %v", err, ErrFault)
+	}
+}
