@@ -181,3 +181,46 @@ func TestTruncatedTableFaults(t *testing.T) {
 		t.Fatalf("read with a truncated grant table: %v, want %v", err, ErrFault)
 	}
 }
+
+// TestOpenRefusesFileLargerThanMemory: a claim for a (sparse) cache file
+// larger than this host's memory and swap is refused before it is mapped:
+// a few such claims would take the decode's whole address space.
+func TestOpenRefusesFileLargerThanMemory(t *testing.T) {
+	mem := HostMemory()
+	// 1 KiB per unit of head_dim in testShape's other dimensions.
+	hd := mem/1024 + 1
+	if hd > 1<<31 {
+		t.Skipf("host memory %d too large to exceed with a valid shape", mem)
+	}
+	shape := testShape
+	shape.HeadDim = int(hd)
+	l, err := npu.NewLayout(shape)
+	must(t, err)
+	dir := t.TempDir()
+	p := newPrefill(t, dir, testShape, 1)
+	le := binary.LittleEndian
+	size := int64(le.Uint64(p.claim.Header[104:])) + l.Size()
+	c := hostileFile(t, p, "huge", size, func(h []byte) {
+		le.PutUint64(h[32+8*4:], hd)
+		le.PutUint64(h[112:], uint64(l.Size()))
+		le.PutUint64(h[120:], uint64(size))
+	})
+	tb, err := CreateTable(c.Path+TableSuffix, shape.NumBlocks, 0)
+	must(t, err)
+	defer tb.Close(true)
+	must(t, tb.GrantAll())
+	c.Grants, c.Epoch = tb.Path(), tb.Epoch()
+	c.GrantsDev, c.GrantsIno = tb.Identity()
+	base := make([]uint64, l.NumCaches())
+	for k := range base {
+		base[k] = uint64(k+1) << 44
+	}
+	d := decodeMem(t, testShape)
+	r, err := Open(c, Options{BaseAddrs: base, Local: caches(d)})
+	if r != nil {
+		r.Close()
+	}
+	if !errors.Is(err, ErrMismatch) {
+		t.Fatalf("Open of a %d-byte file on a host of %d bytes: %v, want %v", size, mem, err, ErrMismatch)
+	}
+}

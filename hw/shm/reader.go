@@ -158,6 +158,12 @@ func Open(c Claim, opts Options) (*Reader, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrMismatch, err)
 	}
+	if lim := HostMemory(); uint64(fh.FileSize) > lim {
+		// A cache lives in memory: a larger (sparse) file would only
+		// spend this process's address space, which the next mapping
+		// or heap growth then lacks.
+		return nil, fmt.Errorf("%w: %s is %d bytes, more than this host's memory and swap (%d)", ErrMismatch, c.Path, fh.FileSize, lim)
+	}
 	l := fh.Layout
 	if len(opts.BaseAddrs) != l.NumCaches() {
 		return nil, fmt.Errorf("%w: %d base addresses for a file of %d caches", ErrMismatch, len(opts.BaseAddrs), l.NumCaches())
@@ -200,6 +206,16 @@ func Open(c Claim, opts Options) (*Reader, error) {
 	r.data = mem[fh.DataOffset : fh.DataOffset+l.Size() : fh.DataOffset+l.Size()]
 	ok = true
 	return r, nil
+}
+
+// HostMemory is this host's memory and swap in bytes (the most a
+// same-host cache file can hold), or the largest uint64 when unknown.
+func HostMemory() uint64 {
+	var si unix.Sysinfo_t
+	if err := unix.Sysinfo(&si); err != nil || si.Unit == 0 {
+		return ^uint64(0)
+	}
+	return (uint64(si.Totalram) + uint64(si.Totalswap)) * uint64(si.Unit)
 }
 
 // openChecked opens path read-only, refusing a symbolic link, anything

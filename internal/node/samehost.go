@@ -36,7 +36,11 @@ import (
 // peer is simply on another host), and the peer is read over TCP.
 
 // fallback reasons, the label values of kvflow_shm_fallbacks_total.
-var shmFallbackReasons = []string{"other_host", "mismatch", "owner_gone", "no_local_memory", "error"}
+var shmFallbackReasons = []string{"other_host", "mismatch", "owner_gone", "no_local_memory", "too_large", "error"}
+
+// shmMapLimit bounds the bytes of every same-host peer's mapped cache file
+// together (tests shrink it).
+var shmMapLimit = shm.HostMemory
 
 type shmMetrics struct {
 	fallbacks *prometheus.CounterVec
@@ -138,9 +142,24 @@ func (s *sameHost) offer(endpoint string, m sidechannel.Metadata) {
 		s.mu.Unlock()
 		return
 	}
+	// Every mapped file spends address space: together at most what
+	// this host's memory could hold (real caches live in it), whatever
+	// number of sessions hostile metadata names.
+	var mapped uint64
+	for k, q := range s.peers {
+		if k != session && q.r != nil && !(q.claim.Path == c.Path && q.claim.HostID == c.HostID) {
+			mapped += q.claim.Size
+		}
+	}
 	s.mu.Unlock()
 	p := &shmPeer{claim: *c, base: m.KVCachesBaseAddr}
-	p.r = s.open(session, c, m.KVCachesBaseAddr)
+	if lim := shmMapLimit(); mapped > lim || c.Size > lim-mapped {
+		s.m.fallbacks.WithLabelValues("too_large").Inc()
+		s.log.Warn("same-host peer read over the network: its cache file would take the mapped files past this host's memory",
+			"session", session, "path", c.Path, "size", c.Size, "mapped", mapped, "limit", lim)
+	} else {
+		p.r = s.open(session, c, m.KVCachesBaseAddr)
+	}
 	s.mu.Lock()
 	stale := []*shmPeer{s.peers[session]}
 	s.peers[session] = p
