@@ -224,3 +224,27 @@ func TestOpenRefusesFileLargerThanMemory(t *testing.T) {
 		t.Fatalf("Open of a %d-byte file on a host of %d bytes: %v, want %v", size, mem, err, ErrMismatch)
 	}
 }
+
+// TestOpenRefusesSpecialFiles: a claim naming a device (with its real
+// device and inode, which anyone can stat) or a directory is refused
+// before anything is opened for reading data or mapped.
+func TestOpenRefusesSpecialFiles(t *testing.T) {
+	dir := t.TempDir()
+	p := newPrefill(t, dir, testShape, 1)
+	for _, path := range []string{"/dev/zero", "/dev/null", dir} {
+		st, err := os.Stat(path)
+		if err != nil {
+			t.Skip(err)
+		}
+		sys := st.Sys().(*syscall.Stat_t)
+		c := p.claim
+		c.Path, c.Dev, c.Ino, c.Grants = path, uint64(sys.Dev), uint64(sys.Ino), path+TableSuffix
+		r, err := Open(c, Options{BaseAddrs: p.host.BaseAddrs()})
+		if r != nil {
+			r.Close()
+		}
+		if !errors.Is(err, ErrMismatch) {
+			t.Errorf("claim of %s: %v, want %v", path, err, ErrMismatch)
+		}
+	}
+}
