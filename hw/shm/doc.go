@@ -14,10 +14,10 @@
 // CRC-32C), and its grant table's path, device, inode and epoch. Open
 // trusts none of it: it opens both files read-only with O_NOFOLLOW and
 // checks each against the claim (the table must be the cache file's own,
-// "<cache>.grants", with the cache file's owner; fstat device, inode and size, the header
-// byte for byte, the table's magic, block count and epoch, the peer's
-// kv_caches_base_addr against the header's layout) before anything is
-// mapped. A file that differs in any of these is refused (ErrMismatch); a
+// "<cache>.grants", with the cache file's owner; fstat device, inode and
+// size, neither above the host's memory; the header byte for byte, the
+// table's magic, block count and epoch, the peer's kv_caches_base_addr
+// against the header's layout) before anything is mapped. A file that differs in any of these is refused (ErrMismatch); a
 // claim from another host is ErrNotSameHost; the caller then reads over
 // the network.
 //

@@ -4,6 +4,7 @@ package shm
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"errors"
 	"hash/crc32"
@@ -246,5 +247,39 @@ func TestOpenRefusesSpecialFiles(t *testing.T) {
 		if !errors.Is(err, ErrMismatch) {
 			t.Errorf("claim of %s: %v, want %v", path, err, ErrMismatch)
 		}
+	}
+}
+
+// flipCtx is a context that is canceled from its second Err call on: the
+// read starts, then is canceled while it runs.
+type flipCtx struct {
+	context.Context
+	calls int
+}
+
+func (c *flipCtx) Err() error {
+	if c.calls++; c.calls > 1 {
+		return context.Canceled
+	}
+	return nil
+}
+
+// TestReadFullSlotChainCancelable: the peer writes the grant table, and a
+// table whose every request slot holds some other key makes a read probe
+// the whole table (2^32 slots at most) for its request: that probe heeds
+// the read's context.
+func TestReadFullSlotChainCancelable(t *testing.T) {
+	dir := t.TempDir()
+	p := newPrefill(t, dir, testShape, 1)
+	d := decodeMem(t, testShape)
+	r := open(t, p, d)
+	key := requestKey("req")
+	for i := range p.table.slots {
+		word(p.table.mem, slotOff(p.table.numBlocks, i)).Store(key ^ 1<<63 ^ uint64(i))
+	}
+	ctx := &flipCtx{Context: t.Context()}
+	err := r.Read(ctx, "req", blockOps(p.host, d, []int{3}, []int{3}), Stride{})
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("read probing a full slot table under a canceled context: %v", err)
 	}
 }

@@ -297,6 +297,9 @@ func (r *Reader) openTable(c Claim) error {
 	}
 	r.slots = int(slots)
 	size := tableSize(r.nblocks, r.slots)
+	if lim := HostMemory(); uint64(size) > lim {
+		return fmt.Errorf("%w: grant table %s would be %d bytes, more than this host's memory and swap (%d)", ErrMismatch, c.Grants, size, lim)
+	}
 	if st.Size() != size {
 		return fmt.Errorf("%w: grant table %s is %d bytes, want %d", ErrMismatch, c.Grants, st.Size(), size)
 	}
@@ -445,8 +448,10 @@ func (r *Reader) Read(ctx context.Context, req string, ops []Op, s Stride) (err 
 	allW := all.Load()
 	if req != "" {
 		key := requestKey(req)
-		off, ok := r.findSlot(key)
+		off, ok, err := r.findSlot(ctx, key)
 		switch {
+		case err != nil:
+			return fmt.Errorf("shm: read of request %q not started: %w", req, err)
 		case ok:
 			w := word(r.table, off+8).Load()
 			if uint32(w) == 0 {
@@ -505,18 +510,23 @@ func (r *Reader) Read(ctx context.Context, req string, ops []Op, s Stride) (err 
 }
 
 // findSlot is the offset of key's request slot, probing as Table.slot.
-func (r *Reader) findSlot(key uint64) (int, bool) {
+// The table is the peer's to write: a chain as long as the table (every
+// key set) is probed with ctx checked every 4096 slots.
+func (r *Reader) findSlot(ctx context.Context, key uint64) (int, bool, error) {
 	mask := r.slots - 1
 	for n, i := 0, int(key)&mask; n < r.slots; n, i = n+1, (i+1)&mask {
+		if n&4095 == 4095 && ctx.Err() != nil {
+			return 0, false, ctx.Err()
+		}
 		off := slotOff(r.nblocks, i)
 		switch word(r.table, off).Load() {
 		case key:
-			return off, true
+			return off, true, nil
 		case 0:
-			return 0, false
+			return 0, false, nil
 		}
 	}
-	return 0, false
+	return 0, false, nil
 }
 
 // resolve checks op against the peer's caches and the local memory.
