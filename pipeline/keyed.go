@@ -281,17 +281,17 @@ func (q *keyed[T]) put(e envelope[T], sw sendWait, blocked *blockedClock, block 
 		}
 	}
 	for {
-		if !hasRoom {
-			select {
+		now := time.Now()
+		q.mu.Lock()
+		ks := q.keys[k]
+		full := q.full(ks)
+		if !full && !hasRoom {
+			select { // never blocks: workers take room without q.mu
 			case q.room <- struct{}{}:
 				hasRoom = true
 			default:
 			}
 		}
-		now := time.Now()
-		q.mu.Lock()
-		ks := q.keys[k]
-		full := q.full(ks)
 		switch {
 		case full && q.parked < q.park:
 			q.queue(ks, keyedItem[T]{e: e, at: now, parked: true})
@@ -422,16 +422,16 @@ func (q *keyed[T]) take() (it keyedItem[T], ks *keyState[T], started time.Time, 
 		ks.held--
 		release = true
 		if ks.parked > 0 {
-			// Its token passes to the oldest parked item.
-			for i := ks.head; i < len(ks.items); i++ {
-				if ks.items[i].parked {
-					ks.items[i].parked = false
-					ks.held++
-					q.unpark(ks)
-					release = false
-					break
-				}
+			// Its token passes to the oldest parked item, the first after
+			// the held ones.
+			i := ks.head + ks.held
+			for i < len(ks.items) && !ks.items[i].parked {
+				i++ // not reached: parked items only follow held ones
 			}
+			ks.items[i].parked = false
+			ks.held++
+			q.unpark(ks)
+			release = false
 		}
 	}
 	if ks.running == 0 {
