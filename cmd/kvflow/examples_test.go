@@ -2,12 +2,15 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -15,7 +18,7 @@ import (
 	"github.com/kvflow/kvflow/internal/tooling/workers"
 )
 
-// The README's "Running a worker" commands name every example config, and
+// The README's "Run a prefill and a decode worker" commands name every example config, and
 // each example runs as written on one machine: `kvflow serve` on it gets
 // ready (/readyz 200), and the prefill and decode examples together move a
 // request (a decode rank reaches every prefill rank it needs). The configs
@@ -114,5 +117,21 @@ func TestExampleConfigsRunVerbatim(t *testing.T) {
 			t.Fatal(err)
 		}
 		sent = sent || slices.Contains(r.DoneSending, id)
+	}
+
+	// The README's next step: deploy/examples/one_request.py moves a
+	// request through the same workers with the Python client and compares
+	// its bytes.
+	const py = "/usr/bin/python3"
+	if err := exec.Command(py, "-c", "import zmq, msgpack, numpy").Run(); err != nil {
+		t.Logf("skipping deploy/examples/one_request.py: %s lacks zmq, msgpack or numpy (%v)", py, err)
+		return
+	}
+	cmd := exec.CommandContext(ctx, py, "../../deploy/examples/one_request.py")
+	cmd.Env = append(os.Environ(), "PREFILL_CTL="+p.Config.ControlEndpoint(), "DECODE_CTL="+d.Config.ControlEndpoint(),
+		"PREFILL_CACHE="+p.Config.CachePath(), "DECODE_CACHE="+d.Config.CachePath(),
+		fmt.Sprintf("REMOTE_PORT=%d", int(p.Config.KVTransfer.KVPort)))
+	if out, err := cmd.CombinedOutput(); err != nil || !strings.Contains(string(out), "0 of 64 (layer, part) blocks differ") {
+		t.Fatalf("one_request.py: %v\n%s", err, out)
 	}
 }

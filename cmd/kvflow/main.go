@@ -106,6 +106,12 @@ func newFlagSet(name string) *flag.FlagSet {
 
 // printHelp writes the usage line and flags of fs to w.
 func printHelp(fs *flag.FlagSet, w io.Writer) {
+	n := 0
+	fs.VisitAll(func(*flag.Flag) { n++ })
+	if n == 0 {
+		fmt.Fprintf(w, "usage: kvflow %s\n\n(no flags)\n", fs.Name())
+		return
+	}
 	fmt.Fprintf(w, "usage: kvflow %s [flags]\n\nflags:\n", fs.Name())
 	fs.SetOutput(w)
 	fs.PrintDefaults()
@@ -122,8 +128,5 @@ func parseFlags(fs *flag.FlagSet, args []string, stdout io.Writer) error {
 		}
 		return usageError{err}
 	}
-	if fs.NArg() > 0 {
-		return usagef("unexpected arguments %q", fs.Args())
-	}
-	return nil
+	return clierr.ArgsLeft(fs, args)
 }

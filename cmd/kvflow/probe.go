@@ -21,7 +21,7 @@ import (
 func runProbe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("probe")
 	remote := fs.String("remote", "", "side channel `HOST:PORT` of a prefill worker (seed or kvflow)")
-	done := fs.String("done", "", "also send DONE_RECVING for this `REQUEST_ID` and wait for the ACK")
+	done := fs.String("done", "", "also send DONE_RECVING for this `REQUEST_ID` and wait for the ACK: the prefill frees that request's blocks as after a decode's DONE (a decode still reading it fails); an id it has not sent yet is kept up to 30 s and frees it on arrival")
 	asJSON := fs.Bool("json", false, "print JSON")
 	timeout := fs.Duration("timeout", 3*time.Second, "overall timeout")
 	cfgPath := fs.String("config", "", "a decode worker's JSON configuration `FILE` (as kvflow serve's --config): compare the peer's cache with the one it expects")

@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/kvflow/kvflow/hw/npu"
+	"github.com/kvflow/kvflow/internal/cli/clierr"
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/control"
 	"github.com/kvflow/kvflow/internal/decode"
@@ -39,12 +40,16 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 		return usageError{err}
 	}
-	if fs.NArg() > 0 {
-		return usagef("unexpected arguments %q", fs.Args())
+	if err := clierr.ArgsLeft(fs, args); err != nil {
+		return err
 	}
 	// --print-config shows only a configuration serve would run: an
 	// invalid one is reported (exit 2), not printed.
 	if err := cfg.Validate(); err != nil {
+		if f := fs.Lookup("config"); f != nil && f.Value.String() == "" {
+			// Most likely a first run: say where a working file is.
+			return usageError{fmt.Errorf("invalid configuration:\n%w\n(no --config given: start from deploy/examples/prefill.json or decode.json, or see kvflow serve --help)", err)}
+		}
 		return usageError{fmt.Errorf("invalid configuration:\n%w", err)}
 	}
 	if *printConfig {
@@ -123,14 +128,10 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 			}
 			io.WriteString(w, "ready\n")
 		})
-		for path, h := range map[string]*atomic.Pointer[http.Handler]{"/debug/peers": &debugPeers, "/debug/kv": &debugKV} {
-			mux.HandleFunc(path, func(w http.ResponseWriter, r *http.Request) {
-				if hp := h.Load(); hp != nil {
-					(*hp).ServeHTTP(w, r)
-					return
-				}
-				http.Error(w, "not served by this role (or not started yet)\n", http.StatusNotFound)
-			})
+		mux.Handle("/debug/peers", debugHandler("/debug/peers", "decode", cfg.Role().String(), &debugPeers))
+		mux.Handle("/debug/kv", debugHandler("/debug/kv", "prefill", cfg.Role().String(), &debugKV))
+		if !cfg.Node.Pprof {
+			mux.HandleFunc("/debug/pprof/", pprofOff)
 		}
 		if cfg.Node.Pprof {
 			mux.HandleFunc("/debug/pprof/", pprof.Index)
@@ -264,4 +265,26 @@ func isConfigProblem(err error) bool {
 	}
 	msg := strings.ToLower(err.Error())
 	return strings.Contains(msg, "address already in use") || strings.Contains(msg, "address in use")
+}
+
+// debugHandler serves path with the handler h holds once the worker has
+// started; before that, or on a worker of a role other than servedBy, it
+// answers 404 saying which.
+func debugHandler(path, servedBy, role string, h *atomic.Pointer[http.Handler]) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if hp := h.Load(); hp != nil {
+			(*hp).ServeHTTP(w, r)
+			return
+		}
+		if role != servedBy {
+			http.Error(w, fmt.Sprintf("%s: served by %s workers only; this one is %s\n", path, servedBy, role), http.StatusNotFound)
+			return
+		}
+		http.Error(w, fmt.Sprintf("%s: not served yet (the worker is starting)\n", path), http.StatusNotFound)
+	})
+}
+
+// pprofOff answers /debug/pprof/ when the profiler is off.
+func pprofOff(w http.ResponseWriter, r *http.Request) {
+	http.Error(w, "/debug/pprof/: off; start the worker with --pprof (node.pprof: true)\n", http.StatusNotFound)
 }

@@ -183,7 +183,18 @@
 //     total_cap, fd_reserve) and logged at most every 10 s.
 //
 // All of this runs once per connection, at accept or when it goes idle;
-// the request path is unchanged. An initiator drops a lane idle for
+// the request path is unchanged. A new connection is cheap, since
+// Mooncake's initiator opens one per request unless its connection pool is
+// on: TCP_NODELAY and keep-alive are set once on each listener and
+// inherited by what it accepts (one setsockopt per connection, the one Go
+// always makes, instead of six), and a data connection's 64 KiB header
+// buffer and pending-response list come from a pool (allocated per
+// connection, the buffer was 96% of the bytes BenchmarkAuthConnect
+// allocated, and zeroing and collecting it ~15% of that benchmark's CPU).
+// Caps still apply: an initiator with the pool off opens up to threads ×
+// batch size connections at once (transfer_engine_bench's defaults, 12 ×
+// 128, exceed MaxConnsPerPeer), so raise node.limits' te_max_conns_per_peer
+// for such peers or have them turn the pool on. An initiator drops a lane idle for
 // IdleTimeout/2 and dials afresh, so it never sends on a connection a
 // kvflow target with the same setting is closing. A lane also redials
 // when the peer was handshaken again since it connected (the peer may be

@@ -91,6 +91,9 @@ func TestBatchReadGather(t *testing.T) {
 			if _, strided := p.layout(); strided != tc.wantStrided && !tc.cliPlain {
 				t.Fatalf("peer negotiated strided reads: %v, want %v", strided, tc.wantStrided)
 			}
+			// The target counts an op after its write returned, which may be
+			// after the initiator saw the bytes: wait for the count first.
+			waitFor(t, func() bool { return testutil.ToFloat64(srv.m.serveReadOps) >= tc.wantServedOps })
 			if got := testutil.ToFloat64(srv.m.serveReadOps); got != tc.wantServedOps {
 				t.Fatalf("target served %v requests, want %v", got, tc.wantServedOps)
 			}
@@ -296,6 +299,7 @@ func TestGatherAuth(t *testing.T) {
 			t.Fatalf("byte %d: %#x, want %#x", i, loc[i], want)
 		}
 	}
+	waitFor(t, func() bool { return testutil.ToFloat64(target.m.serveReadOps) >= 1 })
 	if got := testutil.ToFloat64(target.m.serveReadOps); got != 1 {
 		t.Fatalf("target served %v requests, want 1 strided READ", got)
 	}

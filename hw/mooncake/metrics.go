@@ -43,6 +43,9 @@ type metrics struct {
 	writeBytes, writeOps           prometheus.Counter
 	serveReadBytes, serveReadOps   prometheus.Counter
 	serveWriteBytes, serveWriteOps prometheus.Counter
+	// conns{role="target"}, resolved once (updated per accepted
+	// connection).
+	targetConns prometheus.Gauge
 }
 
 // dir returns the bytes and ops counters of an initiated direction.
@@ -141,7 +144,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		}
 	}
 	m.conns.WithLabelValues(roleInitiator)
-	m.conns.WithLabelValues(roleTarget)
+	m.targetConns = m.conns.WithLabelValues(roleTarget)
 	for _, r := range []string{reasonUnregistered, reasonNotGranted, reasonWriteRefused, reasonBadOpcode, reasonZeroLength, reasonBadStrided} {
 		m.rejected.WithLabelValues(r)
 	}

@@ -81,11 +81,12 @@ func NewTCPEngine(cfg TCPConfig, reg prometheus.Registerer, log *slog.Logger) (*
 			return nil, err
 		}
 	}
-	if e.rpcLn, err = net.Listen("tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.RPCPort))); err != nil {
+	lc := listenConfig()
+	if e.rpcLn, err = lc.Listen(e.ctx, "tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.RPCPort))); err != nil {
 		e.cancel()
 		return nil, fmt.Errorf("mooncake: listen rpc %s:%d: %w", cfg.Host, cfg.RPCPort, err)
 	}
-	if e.dataLn, err = net.Listen("tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.DataPort))); err != nil {
+	if e.dataLn, err = lc.Listen(e.ctx, "tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.DataPort))); err != nil {
 		e.rpcLn.Close()
 		e.cancel()
 		return nil, fmt.Errorf("mooncake: listen data %s:%d: %w", cfg.Host, cfg.DataPort, err)

@@ -491,7 +491,7 @@ func Serve(ctx context.Context, zctx *sidechannel.Context, endpoint string, b Ba
 	if !strings.HasPrefix(endpoint, "tcp://") {
 		curve = nil
 	}
-	srv, err := sidechannel.NewRouter(zctx, sidechannel.ServerOptions{Addr: endpoint, MaxMessageBytes: 64 << 20, Curve: curve, Background: background},
+	srv, err := sidechannel.NewRouter(zctx, sidechannel.ServerOptions{Addr: endpoint, Name: "control socket", MaxMessageBytes: 64 << 20, Curve: curve, Background: background},
 		func(p []byte) []byte { return Encode(Dispatch(ctx, b, p)) })
 	if err != nil {
 		return nil, fmt.Errorf("control socket %s: %w", endpoint, err)

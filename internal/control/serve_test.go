@@ -1,10 +1,13 @@
 package control
 
 import (
+	"bytes"
 	"context"
+	"log/slog"
 	"path/filepath"
 	"reflect"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -249,4 +252,45 @@ func TestServeBadEndpoint(t *testing.T) {
 			t.Fatalf("%q: %v", ep, err)
 		}
 	}
+}
+
+// The control socket logs itself as the control socket, not as a side
+// channel (it is a router of package sidechannel, which logs "side channel
+// listening" for its own sockets).
+func TestServeLogsControlSocket(t *testing.T) {
+	var buf syncBuffer
+	zctx, err := sidechannel.NewContext(sidechannel.ContextOptions{Logger: slog.New(slog.NewTextHandler(&buf, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	srv, err := Serve(ctx, zctx, "ipc://"+filepath.Join(t.TempDir(), "ctl.sock"), Backend{Role: "decode"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv.Close()
+	if err := zctx.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if got := buf.String(); !strings.Contains(got, `msg="control socket listening"`) || !strings.Contains(got, `msg="control socket closed"`) || strings.Contains(got, "side channel") {
+		t.Fatalf("log:\n%s\nwant \"control socket listening\" and no \"side channel listening\"", got)
+	}
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }

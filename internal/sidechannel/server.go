@@ -100,6 +100,10 @@ type ServerOptions struct {
 	Curve *Curve
 	// Logger overrides the context's logger.
 	Logger *slog.Logger
+	// Name is what the socket is called in its log lines ("side channel
+	// listening"); the control socket, which is a router of this package
+	// too, is "control socket". Empty: "side channel".
+	Name string
 	// Limits, for a tcp endpoint, puts a front on the port that bounds
 	// the connections it takes (see Limits); nil: libzmq accepts alone,
 	// without bound.
@@ -132,6 +136,7 @@ type Server struct {
 	h    Handler
 	raw  RawHandler // set for NewRouter: payloads are not the seed's messages
 	log  *slog.Logger
+	name string // in log lines: "side channel" or ServerOptions.Name
 	m    *metrics
 	addr string
 	zap  string // ZAP domain of a CURVE server, "" otherwise
@@ -288,6 +293,10 @@ func newServer(zctx *Context, opts ServerOptions, ep endpoint, h Handler, raw Ra
 		s.front = newFront(ln, s.addr, *opts.Limits, log.With("side", roleServer, "addr", ln.Addr().String()), s.m.connRefused)
 		s.addr = ln.Addr().String()
 	}
+	s.name = opts.Name
+	if s.name == "" {
+		s.name = "side channel"
+	}
 	if s.wakeR, s.wakeS, err = zctx.newPair("server-wake"); err != nil {
 		return nil, err
 	}
@@ -310,7 +319,7 @@ func newServer(zctx *Context, opts ServerOptions, ep endpoint, h Handler, raw Ra
 			auth = fmt.Sprintf("curve, %d authorized client keys", len(opts.Curve.AuthorizedClients))
 		}
 	}
-	s.log.Info("side channel listening", "auth", auth)
+	s.log.Info(s.name+" listening", "auth", auth)
 	return s, nil
 }
 
@@ -347,7 +356,7 @@ func (s *Server) Close() error {
 		if _, err := s.wakeS.SendBytes([]byte{0}, zmq.DONTWAIT); err != nil {
 			// Cannot happen on a connected inproc PAIR with an empty pipe;
 			// if it did, the loop would never wake: say so loudly.
-			s.log.Error("side channel: wake-up send failed", "err", err)
+			s.log.Error(s.name+": wake-up send failed", "err", err)
 		}
 		<-s.done
 		if s.front != nil {
@@ -357,7 +366,7 @@ func (s *Server) Close() error {
 		s.wakeS = nil
 		s.zctx.zapRemove(s.zap)
 		s.zctx.unregister(s)
-		s.log.Info("side channel closed")
+		s.log.Info(s.name + " closed")
 	})
 	return nil
 }
@@ -389,7 +398,7 @@ func (s *Server) loop() {
 			if zmq.AsErrno(err) == zmq.ETERM {
 				return
 			}
-			s.log.Error("side channel poll failed", "err", err)
+			s.log.Error(s.name+" poll failed", "err", err)
 			time.Sleep(10 * time.Millisecond) // never spin on a persistent error
 			continue
 		}
@@ -405,7 +414,7 @@ func (s *Server) loop() {
 			frames, client, err := s.recv()
 			if err != nil {
 				if !isEAGAIN(err) {
-					s.log.Error("side channel recv failed", "err", err)
+					s.log.Error(s.name+" recv failed", "err", err)
 				}
 				break
 			}
@@ -578,7 +587,7 @@ func (s *Server) handle(frames [][]byte, client []byte) {
 	}
 	if err := s.reply(id, reply); err != nil {
 		outcome = outcomeSendError
-		s.log.Warn("side channel reply failed", "op", op, "err", err)
+		s.log.Warn(s.name+" reply failed", "op", op, "err", err)
 	}
 	s.m.requests.WithLabelValues(roleServer, op, outcome).Inc()
 	s.m.duration.WithLabelValues(roleServer, op).Observe(time.Since(start).Seconds())
@@ -605,7 +614,7 @@ func (s *Server) bad(frames [][]byte, reason, detail string, err error) {
 			}
 			attrs = append(attrs, fmt.Sprintf("frame%d", i), wire.Quote(f))
 		}
-		s.log.Warn("side channel: bad message", attrs...)
+		s.log.Warn(s.name+": bad message", attrs...)
 		s.lastBadLog, s.suppressed = now, 0
 	} else {
 		s.suppressed++

@@ -91,7 +91,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet, prefix string) {
 	fs.Var(&c.Timeout, prefix+"timeout", "one task's transfer batch ("+conf.Key(prefix, "timeout")+")")
 	fs.IntVar(&c.PerPeerConcurrency, prefix+"per-peer", c.PerPeerConcurrency, "batches in flight per remote rank ("+conf.Key(prefix, "per_peer_concurrency")+")")
 	fs.BoolVar(&c.FusedStitch, "fused-stitch", c.FusedStitch, "decode: land pulled slices straight in their stitched place when the engine can ("+conf.Key(prefix, "fused_stitch")+")")
-	fs.Var(&c.Grants, prefix+"grants", "prefill: which blocks peers may read: auto (held requests' blocks; all while one without block ids is held), on (held requests' named blocks only), off (everything) ("+conf.Key(prefix, "grants")+")")
+	fs.Var(&c.Grants, prefix+"grants", "prefill: which blocks peers may read: auto (held requests' blocks; all while one without block ids is held), on (held requests' named blocks only), off (everything); default auto; give a mode with '=': --"+prefix+"grants=off (alone it means on) ("+conf.Key(prefix, "grants")+")")
 }
 
 // GrantsMode is read.grants: which reads a prefill worker's transfer

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"strings"
 )
 
 // UsageError is an error caused by the command line or the configuration:
@@ -48,7 +49,7 @@ func ParseFlags(fs *flag.FlagSet, args []string) error {
 	if err := fs.Parse(args); err != nil {
 		return Usage(err)
 	}
-	return NoArgs(fs)
+	return ArgsLeft(fs, args)
 }
 
 // NoArgs is a usage error when fs was left positional arguments.
@@ -57,4 +58,28 @@ func NoArgs(fs *flag.FlagSet) error {
 		return Usagef("unexpected arguments %q", fs.Args())
 	}
 	return nil
+}
+
+// ArgsLeft is NoArgs for a flag set that parsed args: when the first
+// leftover argument follows a flag that takes no separate value (a bool, or
+// a mode such as --read-grants that may stand alone), the error says to
+// join them with "=" — "--read-grants off" leaves "off" behind, and
+// "unexpected arguments" alone does not say why.
+func ArgsLeft(fs *flag.FlagSet, args []string) error {
+	if fs.NArg() == 0 {
+		return nil
+	}
+	err := fmt.Errorf("unexpected arguments %q", fs.Args())
+	if i := len(args) - fs.NArg() - 1; i >= 0 && i < len(args) {
+		prev := args[i]
+		name := strings.TrimLeft(prev, "-")
+		if prev != name && !strings.Contains(name, "=") && name != "" {
+			if f := fs.Lookup(name); f != nil {
+				if b, ok := f.Value.(interface{ IsBoolFlag() bool }); ok && b.IsBoolFlag() {
+					err = fmt.Errorf("%w: --%s takes no separate value; write --%s=%s", err, name, name, fs.Arg(0))
+				}
+			}
+		}
+	}
+	return &UsageError{Err: err}
 }

@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"strings"
 	"testing"
 )
 
@@ -67,6 +68,43 @@ func TestParseFlags(t *testing.T) {
 			}
 			if !tt.usage && !tt.help && err != nil {
 				t.Fatalf("ParseFlags(%q) = %v", tt.args, err)
+			}
+		})
+	}
+}
+
+func TestArgsLeftNamesTheBoolFlag(t *testing.T) {
+	tests := []struct {
+		name string
+		args []string
+		want string // "" = no error
+	}{
+		{"none", []string{"-v"}, ""},
+		{"after bool", []string{"--v", "off"}, `unexpected arguments ["off"]: --v takes no separate value; write --v=off`},
+		{"after bool, more", []string{"-n", "1", "--v", "off", "x"}, `write --v=off`},
+		{"bool with value", []string{"--v=true", "off"}, `unexpected arguments ["off"]`},
+		{"after int", []string{"-n", "1", "extra"}, `unexpected arguments ["extra"]`},
+		{"after terminator", []string{"--", "x"}, `unexpected arguments ["x"]`},
+		{"first", []string{"extra", "-v"}, `unexpected arguments ["extra" "-v"]`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			fs := flag.NewFlagSet("t", flag.ContinueOnError)
+			fs.SetOutput(io.Discard)
+			fs.Int("n", 0, "")
+			fs.Bool("v", false, "")
+			err := ParseFlags(fs, tt.args)
+			if tt.want == "" {
+				if err != nil {
+					t.Fatalf("ParseFlags(%q) = %v", tt.args, err)
+				}
+				return
+			}
+			if !IsUsage(err) || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("ParseFlags(%q) = %v, want a usage error containing %q", tt.args, err, tt.want)
+			}
+			if tt.want == `unexpected arguments ["off"]` && strings.Contains(err.Error(), "takes no separate value") {
+				t.Fatalf("ParseFlags(%q) = %v: hint after a bool flag given its value", tt.args, err)
 			}
 		})
 	}

@@ -68,7 +68,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return clierr.Usage(err)
 	}
-	if err := clierr.NoArgs(fs); err != nil {
+	if err := clierr.ArgsLeft(fs, args); err != nil {
 		return err
 	}
 	rep, err := build(cfg, o)
