@@ -423,9 +423,14 @@ func (r *keyedRun) results() []Result[*kitem] {
 }
 
 // wedgedStage: items of key "slow" wait for release (or the pipeline's
-// cancellation); the others take d each (fake time under synctest).
-func wedgedStage(release <-chan struct{}, d time.Duration) StageFunc[*kitem] {
+// cancellation), but for those numbered 2000 and up, which take own; the
+// others take d each (fake time under synctest).
+func wedgedStage(release <-chan struct{}, d, own time.Duration) StageFunc[*kitem] {
 	return func(ctx context.Context, it *kitem) error {
+		if it.key == "slow" && it.id >= 2000 {
+			time.Sleep(own)
+			return nil
+		}
 		if it.key == "slow" {
 			select {
 			case <-release:
@@ -450,7 +455,7 @@ func TestKeyedParkedNotHeld(t *testing.T) {
 		var run keyedRun
 		var mu sync.Mutex
 		var order []int
-		st := wedgedStage(release, 0)
+		st := wedgedStage(release, 0, 0)
 		p := keyedChain(t, nil, StageConfig[*kitem]{Workers: 4, Capacity: 16, KeyWorkers: 1, KeyQueue: 8, KeyPark: 20, KeyStall: time.Second,
 			Stage: StageFunc[*kitem](func(ctx context.Context, it *kitem) error {
 				if it.key == "slow" {
@@ -508,13 +513,19 @@ func TestKeyedAdaptiveStall(t *testing.T) {
 	cases := []struct {
 		name    string
 		history time.Duration // service time of the stage's earlier items
+		own     time.Duration // of the key's first 5 items (0: none)
 		stall   time.Duration
 		want    time.Duration // when the overflow is refused
 	}{
-		{"no history: KeyStall", 0, 10 * time.Second, 10 * time.Second},
-		{"fast stage: floor", time.Millisecond, 10 * time.Second, MinKeyStall},
-		{"slower stage: factor", 20 * time.Millisecond, 10 * time.Second, KeyStallFactor * 20 * time.Millisecond},
-		{"slow stage: KeyStall", 2 * time.Second, 10 * time.Second, 10 * time.Second},
+		{"no history: KeyStall", 0, 0, 10 * time.Second, 10 * time.Second},
+		{"fast stage: floor", time.Millisecond, 0, 10 * time.Second, MinKeyStall},
+		{"slower stage: factor", 20 * time.Millisecond, 0, 10 * time.Second, KeyStallFactor * 20 * time.Millisecond},
+		{"slow stage: KeyStall", 2 * time.Second, 0, 10 * time.Second, 10 * time.Second},
+		// One item of the key wedges (keeping the key), its next 5 take
+		// 100 ms each, one at a time, ending at 100..500 ms; then its
+		// overflow is refused 8 x 100 ms after its last good end (not
+		// 8 x the stage's 1 ms).
+		{"key's own history", time.Millisecond, 100 * time.Millisecond, 10 * time.Second, 500*time.Millisecond + KeyStallFactor*100*time.Millisecond},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -522,7 +533,7 @@ func TestKeyedAdaptiveStall(t *testing.T) {
 				release := make(chan struct{})
 				var run keyedRun
 				p := keyedChain(t, nil, StageConfig[*kitem]{Workers: 4, Capacity: 8, KeyWorkers: 2, KeyQueue: 4, KeyPark: 4, KeyStall: tc.stall,
-					Stage: wedgedStage(release, tc.history)}, run.sink)
+					Stage: wedgedStage(release, tc.history, tc.own)}, run.sink)
 				ctx := context.Background()
 				if tc.history > 0 {
 					for i := range 20 {
@@ -534,6 +545,17 @@ func TestKeyedAdaptiveStall(t *testing.T) {
 					synctest.Wait()
 				}
 				start := time.Now()
+				wantRefused := 10
+				if tc.own > 0 {
+					for _, id := range []int{500, 2000, 2001, 2002, 2003, 2004} {
+						if err := p.Submit(ctx, &kitem{id: id, key: "slow"}); err != nil {
+							t.Fatal(err)
+						}
+					}
+					time.Sleep(time.Second)
+					synctest.Wait()
+					wantRefused = 11 // item 500 is one of the 2 running
+				}
 				for i := range 20 { // 2 running, 4 waiting, 4 parked, 10 refused
 					if err := p.Submit(ctx, &kitem{id: i, key: "slow"}); err != nil {
 						t.Fatal(err)
@@ -549,8 +571,8 @@ func TestKeyedAdaptiveStall(t *testing.T) {
 						}
 					}
 					if n > 0 {
-						if n != 10 {
-							t.Fatalf("%d refused at once, want 10", n)
+						if n != wantRefused {
+							t.Fatalf("%d refused at once, want %d", n, wantRefused)
 						}
 						at = time.Since(start)
 						break
