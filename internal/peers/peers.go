@@ -157,12 +157,23 @@ func (t *Tracker) get(endpoint string, now time.Time) *peer {
 	p := t.peers[endpoint]
 	if p == nil {
 		if len(t.peers) >= t.o.MaxPeers {
-			var oldest string
-			var at time.Time
+			// An idle up peer first; with none, an idle down one (names
+			// come from requests: distinct dead endpoints must not grow
+			// the records without bound). Least recently used first.
+			var oldest, oldestDown string
+			var at, atDown time.Time
 			for ep, q := range t.peers {
-				if q.st.State == Up && q.st.InFlight == 0 && (oldest == "" || q.lastUsed.Before(at)) {
+				switch {
+				case q.st.InFlight != 0:
+				case q.st.State == Up && (oldest == "" || q.lastUsed.Before(at)):
 					oldest, at = ep, q.lastUsed
+				case q.st.State == Down && (oldestDown == "" || q.lastUsed.Before(atDown)):
+					oldestDown, atDown = ep, q.lastUsed
 				}
+			}
+			if oldest == "" && oldestDown != "" {
+				oldest = oldestDown
+				t.nDown--
 			}
 			if oldest != "" {
 				delete(t.peers, oldest)
