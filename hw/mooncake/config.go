@@ -176,7 +176,7 @@ func DefaultTCPConfig() TCPConfig {
 		// Each reading peer holds Lanes (4) connections: 4096 serves ~1000
 		// decode ranks, more than any P/D deployment pairs with one
 		// prefill rank, and is a small share of a raised RLIMIT_NOFILE.
-		MaxConns: 4096,
+		MaxConns: 32768,
 		// One host runs up to 8–16 decode ranks × a few DP replicas, 4
 		// lanes each, and a Mooncake initiator without a connection pool
 		// opens one connection per in-flight slice: 256 covers them, and
