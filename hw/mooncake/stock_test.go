@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"net"
 	"os"
 	"os/exec"
 	"strconv"
@@ -88,4 +89,55 @@ func tail(s string, n int) string {
 		return s[len(s)-n:]
 	}
 	return s
+}
+
+// TestStockMooncakeBench: Mooncake's transfer_engine_bench as initiator
+// (TCP, P2P handshake, connection pool off, its default 12 threads ×
+// batch 128: ~1500 one-shot connections at once from one address) reads
+// from kvflow's target with its default caps, which must refuse none.
+// Runs only under make test-mooncake (MOONCAKE_BENCH, a private network
+// namespace).
+func TestStockMooncakeBench(t *testing.T) {
+	bench := os.Getenv("MOONCAKE_BENCH")
+	if bench == "" || os.Getenv("KVFLOW_NETNS") == "" {
+		t.Skip("needs MOONCAKE_BENCH and a private network namespace: make test-mooncake")
+	}
+	srv, _ := newEngine(t, testConfig())
+	const buffer = 32 << 20 // ≥ 12 threads × 128 × 16 KiB
+	mem := mmap(t, buffer) // outside the Go heap: the engine keeps only its address
+	if err := srv.Register(AddrOf(mem), buffer, "cpu:0"); err != nil { // the bench's first DRAM buffer
+		t.Fatal(err)
+	}
+	// The initiator's own RPC port: free now in this namespace.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	ln.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bench, "--mode=initiator", "--metadata_server=P2PHANDSHAKE", "--protocol=tcp",
+		"--local_server_name=127.0.0.1:"+strconv.Itoa(port), "--segment_id="+srv.SessionID(), "--operation=read",
+		"--block_size=16384", "--buffer_size="+strconv.Itoa(buffer), "--duration=2")
+	cmd.Dir = t.TempDir() // glog writes next to the working directory
+	cmd.Env = append(os.Environ(), "MC_TCP_ENABLE_CONNECTION_POOL=0")
+	out, err := cmd.CombinedOutput()
+	refused := map[string]float64{}
+	for _, r := range []string{refusedPeerCap, refusedTotalCap, refusedFDReserve} {
+		if n := testutil.ToFloat64(srv.m.connRefused.WithLabelValues(portData, r)); n != 0 {
+			refused[r] = n
+		}
+	}
+	if err != nil || strings.Contains(string(out), "FAILED") {
+		t.Fatalf("transfer_engine_bench: %v (data connections refused: %v)\n%s", err, refused, tail(string(out), 2000))
+	}
+	if len(refused) != 0 {
+		t.Fatalf("data connections refused: %v", refused)
+	}
+	for _, l := range strings.Split(string(out), "\n") {
+		if strings.Contains(l, "throughput") {
+			t.Log(strings.TrimSpace(l[max(0, strings.Index(l, "]")+1):]))
+		}
+	}
 }
