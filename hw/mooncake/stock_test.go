@@ -103,8 +103,8 @@ func TestStockMooncakeBench(t *testing.T) {
 		t.Skip("needs MOONCAKE_BENCH and a private network namespace: make test-mooncake")
 	}
 	srv, _ := newEngine(t, testConfig())
-	const buffer = 32 << 20 // ≥ 12 threads × 128 × 16 KiB
-	mem := mmap(t, buffer) // outside the Go heap: the engine keeps only its address
+	const buffer = 32 << 20                                            // ≥ 12 threads × 128 × 16 KiB
+	mem := mmap(t, buffer)                                             // outside the Go heap: the engine keeps only its address
 	if err := srv.Register(AddrOf(mem), buffer, "cpu:0"); err != nil { // the bench's first DRAM buffer
 		t.Fatal(err)
 	}
