@@ -20,7 +20,7 @@ const (
 	portData = "data"
 	portRPC  = "rpc"
 
-	refusedPeerCap   = "peer_cap"   // the remote address holds MaxConnsPerPeer not yet working
+	refusedPeerCap   = "peer_cap"   // the port under pressure, the address holds MaxConnsPerPeer pending
 	refusedTotalCap  = "total_cap"  // the port holds MaxConns
 	refusedFDReserve = "fd_reserve" // fewer than FDReserve descriptors left
 
@@ -87,9 +87,10 @@ func (pc *portConns) unpend(key netip.Addr) {
 	}
 }
 
-// peerKey is what MaxConnsPerPeer counts pending connections by: the remote IPv4 address, or
-// the /64 of an IPv6 one (one host or site usually owns a whole /64, so
-// counting single v6 addresses would cap nothing).
+// peerKey is what MaxConnsPerPeer counts pending connections by: the
+// remote IPv4 address, or the /64 of an IPv6 one (one host or site
+// usually owns a whole /64, so counting single v6 addresses would cap
+// nothing).
 func peerKey(a net.Addr) netip.Addr {
 	ta, ok := a.(*net.TCPAddr)
 	if !ok {
