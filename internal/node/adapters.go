@@ -41,7 +41,7 @@ func FetcherWithCredentials(c *sidechannel.Client, e mooncake.PeerAuthenticator)
 // clears it when a reply carries none), so the engine authenticates to
 // exactly the peers that asked for it.
 type fetcher struct {
-	c     *sidechannel.Client
+	c      *sidechannel.Client
 	creds  credentialSetter
 	owners *credOwners // with creds: the endpoint that first named each session
 	sh     *sameHost   // node.te_backend shm: takes each reply's same-host claim
