@@ -50,3 +50,26 @@ func TestPlanTablePlurals(t *testing.T) {
 		}
 	}
 }
+
+// TestHelpShowsPlanFlags: -h lists plan's flags and the configuration
+// flags that change a plan, one line each, not every serve flag.
+func TestHelpShowsPlanFlags(t *testing.T) {
+	var out bytes.Buffer
+	Run(context.Background(), []string{"-h"}, &out, &bytes.Buffer{})
+	help := out.String()
+	for _, w := range []string{"-request-id", "-local-blocks", "-json", "-config", "-prefill-tp", "-decode-pp", "-layers", "-kv-heads", "-dtype", "-mla", "kvflow serve -h"} {
+		if !strings.Contains(help, w) {
+			t.Errorf("help lacks %s:\n%s", w, help)
+		}
+	}
+	for _, bad := range []string{"-te-port", "-abort-timeout", "-read-workers", "-auth", "-log-level", "-tp-rank", "-cache-path"} {
+		if strings.Contains(help, bad+" ") {
+			t.Errorf("help lists %s, which does not change a plan", bad)
+		}
+	}
+	for _, line := range strings.Split(help, "\n") {
+		if strings.HasPrefix(line, "    \t") {
+			t.Errorf("explanation on its own line: %q", line)
+		}
+	}
+}
