@@ -91,7 +91,7 @@ func (f fetcher) setCredential(endpoint string, m sidechannel.Metadata) error {
 	}
 	session := net.JoinHostPort(host, strconv.Itoa(m.TERPCPort))
 	if f.owners != nil {
-		forget, err := f.owners.claim(endpoint, session)
+		forget, err := f.owners.claim(endpoint, session, m.Ext.TEAuth != nil)
 		if err != nil {
 			return err
 		}

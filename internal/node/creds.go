@@ -14,13 +14,20 @@ import (
 // "host:te_rpc_port", the port as the GET_META reply names it. A hostile
 // side-channel endpoint on a prefill's host could name that prefill's port
 // and replace (or clear) its credential, breaking every read from it. So,
-// as with same-host claims (samehost.go), each session remembers the
-// side-channel endpoint that first named it: that endpoint may refresh it
-// (a prefill restarted on the same endpoint gets a new token), another
-// endpoint's metadata naming it is refused, the request fails naming both
-// endpoints, and kvflow_handshake_meta_refusals_total{reason="session_conflict"}
-// counts it. An endpoint naming a new session (restarted on another
-// te_rpc_port) gives up its previous one, whose credential is forgotten.
+// as with same-host claims (samehost.go), each session with a credential
+// remembers the side-channel endpoint that first named it: that endpoint
+// may refresh or drop it (its prefill restarted), another endpoint's
+// metadata naming it is refused, the request failing with both endpoints
+// named, counted in kvflow_handshake_meta_refusals_total{reason=
+// "session_conflict"}. An endpoint naming a new session (its prefill
+// restarted on another te_rpc_port) gives up its previous one, whose
+// credential is forgotten. Sessions without a credential (auth off, open
+// ports) have nothing to take over and are not owned.
+//
+// Which of two endpoints is the session's prefill cannot be told here, so
+// a prefill whose side channel moves to another port while keeping its
+// te_rpc_port is refused as well, until this decode restarts or the
+// session is forgotten past maxCredSessions.
 
 // metaRefusalReasons are the label values of kvflow_handshake_meta_refusals_total.
 var metaRefusalReasons = []string{"session_conflict", "lease_ttl"}
@@ -63,11 +70,13 @@ func newCredOwners(reg prometheus.Registerer, log *slog.Logger) *credOwners {
 	return o
 }
 
-// claim records that endpoint names session. It returns the sessions whose
-// credentials are to be forgotten (endpoint's previous session, sessions
-// evicted past maxCredSessions), or an error naming both endpoints when
-// another endpoint named session first.
-func (o *credOwners) claim(endpoint, session string) (forget []string, err error) {
+// claim records that endpoint names session, with a credential (cred) or
+// without. It returns the sessions whose credentials are to be forgotten
+// (endpoint's previous session, sessions evicted past maxCredSessions),
+// or an error naming both endpoints when another endpoint named session
+// first, with a credential. Only sessions with a credential are owned:
+// without one there is nothing to take over (auth off, or open ports).
+func (o *credOwners) claim(endpoint, session string, cred bool) (forget []string, err error) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if e, ok := o.bySession[session]; ok {
@@ -79,28 +88,35 @@ func (o *credOwners) claim(endpoint, session string) (forget []string, err error
 			return nil, fmt.Errorf("sidechannel get_meta %s: transfer session %s was first named by side-channel endpoint %s (metadata refused: session conflict)",
 				endpoint, session, w.endpoint)
 		}
+		if !cred { // the owner's prefill no longer asks for one
+			o.removeLocked(e)
+			return nil, nil
+		}
 		o.lru.MoveToFront(e)
 		return nil, nil
 	}
 	if e, ok := o.byEndpoint[endpoint]; ok {
 		// endpoint's prefill restarted on another te_rpc_port.
-		w := e.Value.(*credOwner)
-		delete(o.bySession, w.session)
-		forget = append(forget, w.session)
-		w.session = session
-		o.bySession[session] = e
-		o.lru.MoveToFront(e)
+		forget = append(forget, e.Value.(*credOwner).session)
+		o.removeLocked(e)
+	}
+	if !cred {
 		return forget, nil
 	}
 	e := o.lru.PushFront(&credOwner{session: session, endpoint: endpoint})
 	o.bySession[session], o.byEndpoint[endpoint] = e, e
 	for o.lru.Len() > maxCredSessions {
-		w := o.lru.Remove(o.lru.Back()).(*credOwner)
-		delete(o.bySession, w.session)
-		delete(o.byEndpoint, w.endpoint)
-		forget = append(forget, w.session)
+		b := o.lru.Back()
+		forget = append(forget, b.Value.(*credOwner).session)
+		o.removeLocked(b)
 	}
 	return forget, nil
+}
+
+func (o *credOwners) removeLocked(e *list.Element) {
+	w := o.lru.Remove(e).(*credOwner)
+	delete(o.bySession, w.session)
+	delete(o.byEndpoint, w.endpoint)
 }
 
 // refused counts a reply refused for reason (one of metaRefusalReasons).

@@ -44,7 +44,8 @@ func (r *recordingCreds) get(session string) (mooncake.Credential, bool) {
 // credential: its reply is refused naming both endpoints and counted
 // (reason session_conflict). The prefill restarting on its own endpoint
 // (new token, same or new port) still refreshes its credential, and a
-// session it gave up is forgotten.
+// session it gave up is forgotten. Sessions without credentials are not
+// owned.
 func TestCredentialSessionConflict(t *testing.T) {
 	if !zmq.HasCurve() {
 		t.Skip("libzmq built without CURVE")
@@ -153,6 +154,26 @@ func TestCredentialSessionConflict(t *testing.T) {
 	if _, err := f.GetMeta(ctx, serve(41000, 3, true).addr); err != nil {
 		t.Fatalf("a session given up: %v", err)
 	}
+	// Without credentials (auth off, open ports) nothing is owned: two
+	// endpoints naming one session are both served.
+	for range 2 {
+		if _, err := f.GetMeta(ctx, serve(41005, 0, false).addr); err != nil {
+			t.Fatalf("session without a credential: %v", err)
+		}
+	}
+	// The owner dropping its credential gives the session up.
+	legit.mu.Lock()
+	legit.tok = nil
+	legit.mu.Unlock()
+	if _, err := f.GetMeta(ctx, legit.addr); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := creds.get("127.0.0.1:41001"); ok {
+		t.Fatal("credential kept after the owner's reply carried none")
+	}
+	if _, err := f.GetMeta(ctx, serve(41001, 4, true).addr); err != nil {
+		t.Fatalf("a session whose owner dropped its credential: %v", err)
+	}
 }
 
 // TestCredOwnersBounded: churn through many endpoints keeps at most
@@ -163,7 +184,7 @@ func TestCredOwnersBounded(t *testing.T) {
 	o := newCredOwners(prometheus.NewRegistry(), nil)
 	var forgot []string
 	for i := range 10 {
-		f, err := o.claim(string(rune('a'+i))+":1", string(rune('a'+i))+":2")
+		f, err := o.claim(string(rune('a'+i))+":1", string(rune('a'+i))+":2", true)
 		if err != nil {
 			t.Fatal(err)
 		}
