@@ -34,7 +34,7 @@ type pair struct {
 func startPair(t *testing.T, tp topo, mutate func(*config.Config)) *pair {
 	t.Helper()
 	for range 8 {
-		kvPort := 20000 + rand.IntN(30000)
+		kvPort := 10000 + rand.IntN(20000) // below the ephemeral range (32768+): :0 binds and outgoing connections take ports there
 		pc := baseConfig(tp, "prefill", kvPort)
 		if mutate != nil {
 			mutate(&pc)

@@ -113,7 +113,7 @@ func startCluster(t *testing.T, tp topo, mutate ...func(role string, c *config.C
 	t.Helper()
 	var lastErr error
 	for attempt := range 8 {
-		kvPort := 20000 + rand.IntN(30000)
+		kvPort := 10000 + rand.IntN(20000) // below the ephemeral range (32768+): :0 binds and outgoing connections take ports there
 		c, err := tryCluster(t, tp, kvPort, mutate...)
 		if err == nil {
 			return c

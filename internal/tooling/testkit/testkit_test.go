@@ -56,8 +56,8 @@ func TestOnFreePort(t *testing.T) {
 			seen := map[int]bool{}
 			port, err := OnFreePort(func(string, ...any) { logged++ }, func(p int) error {
 				calls++
-				if p < 20000 || p >= 50000 {
-					t.Errorf("port %d outside [20000, 50000)", p)
+				if p < 10000 || p >= 30000 {
+					t.Errorf("port %d outside [10000, 30000)", p)
 				}
 				seen[p] = true
 				if calls <= c.fails {

@@ -118,7 +118,7 @@ func ShmDir(prefix, fallback string) (string, error) {
 // FreePorts finds n consecutive free TCP ports on loopback.
 func FreePorts(n int) (int, error) {
 	for range 50 {
-		base := 20000 + rand.IntN(30000-n)
+		base := 10000 + rand.IntN(20000-n) // below the ephemeral range (32768+): :0 binds and outgoing connections take ports there
 		ok := true
 		var ls []net.Listener
 		for i := range n {
