@@ -15,10 +15,10 @@ import (
 func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	kv := &c.KVTransfer
 	ex := &kv.KVConnectorExtraConfig
-	fs.Var(&kvTransferFlag{kv}, "kv-transfer-config", "vLLM's --kv-transfer-config JSON, verbatim (merged into kv_transfer_config)")
-	fs.Var(&roleFlag{&kv.KVRole}, "role", "worker role: prefill|decode (or kv_producer|kv_consumer) (kv_transfer_config.kv_role)")
+	fs.Var(&kvTransferFlag{kv}, "kv-transfer-config", "vLLM's --kv-transfer-config `JSON`, verbatim (merged into kv_transfer_config)")
+	fs.Var(&roleFlag{&kv.KVRole}, "role", "worker `role`: prefill|decode (or kv_producer|kv_consumer) (kv_transfer_config.kv_role)")
 	fs.StringVar(&kv.EngineID, "engine-id", kv.EngineID, "this instance's vLLM engine_id (kv_transfer_config.engine_id)")
-	fs.Var(&kv.KVPort, "kv-port", "base handshake port of the instance (kv_transfer_config.kv_port)")
+	fs.Var(&kv.KVPort, "kv-port", "base handshake `port` of the instance (kv_transfer_config.kv_port)")
 	fs.StringVar(&kv.KVConnector, "kv-connector", kv.KVConnector, "kv_transfer_config.kv_connector (informational)")
 	for _, p := range []struct {
 		name string

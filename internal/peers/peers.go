@@ -284,8 +284,15 @@ func (t *Tracker) Snapshot() []Status {
 	return out
 }
 
-// ServeHTTP serves /debug/peers: {"peers": [Status...]} as JSON.
+// ServeHTTP serves /debug/peers: {"peers": [Status...]} as JSON, empty
+// lists as [] (never null).
 func (t *Tracker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	peers := t.Snapshot()
+	for i := range peers {
+		if peers[i].RecentFailures == nil {
+			peers[i].RecentFailures = []Failure{}
+		}
+	}
 	w.Header().Set("Content-Type", "application/json")
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
@@ -293,7 +300,7 @@ func (t *Tracker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		DownAfter     int      `json:"down_after"`
 		ProbeInterval string   `json:"probe_interval"`
 		Peers         []Status `json:"peers"`
-	}{t.o.DownAfter, t.o.ProbeInterval.String(), t.Snapshot()})
+	}{t.o.DownAfter, t.o.ProbeInterval.String(), peers})
 }
 
 // dueProbes picks down peers not probed for an interval, at most MaxProbes,
