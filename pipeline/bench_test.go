@@ -77,16 +77,23 @@ func BenchmarkChain(b *testing.B) {
 // key). kvflow keys only stages whose items wait on a peer for a
 // millisecond or more.
 func BenchmarkKeyedStage(b *testing.B) {
-	for _, keyedStage := range []bool{false, true} {
+	for _, keys := range []int{0, 4, 1} {
 		name := "unkeyed"
-		if keyedStage {
+		switch keys {
+		case 4:
 			name = "keyed"
+		case 1:
+			name = "keyed-1key" // one busy key: its queue fills, senders block or park
 		}
 		b.Run(name, func(b *testing.B) {
 			sc := StageConfig[int]{Name: "s", Workers: 2, Capacity: benchCapacity,
 				Stage: StageFunc[int](func(context.Context, int) error { return nil })}
-			if keyedStage {
+			switch keys {
+			case 4:
 				sc.Key = func(i int) string { return keys4[i&3] }
+			case 1:
+				sc.Key = func(int) string { return "a" }
+				sc.KeyQueue = max(1, benchCapacity/2)
 			}
 			var wg sync.WaitGroup
 			p, err := New(Config[int]{Stages: []StageConfig[int]{sc}, Sink: func(Result[int]) { wg.Done() }})

@@ -33,12 +33,22 @@
 // and KeyQueue queue places while the other keys go on.
 //
 //   - Capacity still bounds the items waiting in the stage, all keys
-//     together; a send (Submit or an upstream worker) blocks while it is
-//     full exactly as for an unkeyed stage, and the time is counted.
-//   - A send that would exceed its key's KeyQueue blocks until one of the
-//     key's items is taken; when the key is stalled (items running, none
-//     ended without error for KeyStall) it is refused at once
-//     (ErrKeyStalled) so that the stalled key holds no sender.
+//     together (parked items aside); a send (Submit or an upstream
+//     worker) blocks while it is full exactly as for an unkeyed stage,
+//     and the time is counted.
+//   - A send that would exceed its key's KeyQueue parks the item while
+//     the stage's park budget (KeyPark, all keys together) lasts: the
+//     sender goes on at once, so a slow key never holds the stage before
+//     it, and nothing fails for it. A parked item waits in its key's FIFO
+//     and takes the place of the key's next item taken.
+//   - Beyond the park budget the send blocks until one of the key's items
+//     is taken or a park place frees (a busy key keeps its backpressure);
+//     when the key is stalled it is refused at once (ErrKeyStalled) so
+//     that the stalled key holds no sender. A key is stalled when it has
+//     items running and none ended without error for KeyStallFactor times
+//     its recent service time (a moving average of its items that ended
+//     well; the stage's while it has none), at least MinKeyStall and at
+//     most KeyStall.
 //   - An item naming a new key while MaxKeys keys are held is refused
 //     (ErrTooManyKeys): a flood of distinct keys costs bounded memory.
 //   - A refused item fails at the keyed stage (counted in

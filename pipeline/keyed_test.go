@@ -44,9 +44,10 @@ func keyedChain(t *testing.T, reg prometheus.Registerer, sc StageConfig[*kitem],
 }
 
 // TestKeyedSlowKeyDoesNotHoldOthers: a key whose items never finish holds
-// KeyWorkers workers and KeyQueue places; items of other keys, sent after
-// it, pass by; once it is stalled its further items are refused at once
-// with ErrKeyStalled instead of holding the sender.
+// KeyWorkers workers and KeyQueue places, then parks its items until the
+// park budget (Capacity) is spent; beyond, its sender blocks until the key
+// is stalled, and its further items are then refused at once with
+// ErrKeyStalled; items of other keys, sent after it, pass by.
 func TestKeyedSlowKeyDoesNotHoldOthers(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		release := make(chan struct{})
@@ -74,7 +75,7 @@ func TestKeyedSlowKeyDoesNotHoldOthers(t *testing.T) {
 			t.Fatal(err)
 		}
 		synctest.Wait()
-		// 2 running, 8 waiting, the intake worker blocked on the 11th.
+		// 2 running, 8 waiting, 16 parked, the intake worker blocked on the 27th.
 		if got := testutil.ToFloat64(prometheusGauge(t, reg, "kvflow_stage_keys_backlogged", "k")); got != 1 {
 			t.Fatalf("keys backlogged %v, want 1", got)
 		}
@@ -107,8 +108,8 @@ func TestKeyedSlowKeyDoesNotHoldOthers(t *testing.T) {
 			}
 		}
 		mu.Unlock()
-		if refused != 30 {
-			t.Fatalf("%d refused, want 30 (40 - 2 running - 8 waiting)", refused)
+		if refused != 14 {
+			t.Fatalf("%d refused, want 14 (40 - 2 running - 8 waiting - 16 parked)", refused)
 		}
 		if time.Since(start) > time.Second {
 			t.Fatalf("fast item ended %v after the stall", time.Since(start))
@@ -286,6 +287,7 @@ func TestKeyedValidate(t *testing.T) {
 		{"key queue above capacity", StageConfig[*kitem]{Key: key, KeyQueue: 9}, "key queue must be"},
 		{"negative stall", StageConfig[*kitem]{Key: key, KeyStall: -1}, "key stall"},
 		{"negative max keys", StageConfig[*kitem]{Key: key, MaxKeys: -1}, "max keys"},
+		{"key park below -1", StageConfig[*kitem]{Key: key, KeyPark: -2}, "key park"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -307,7 +309,7 @@ func TestKeyedValidate(t *testing.T) {
 // item ends exactly once, that each key's items start in the order they
 // were submitted (with KeyWorkers 1), and that no more than KeyWorkers items of one key run at
 // once.
-func keyedProperties(t *testing.T, seed uint64, items, keys, workers, keyWorkers, capacity, keyQueue int) {
+func keyedProperties(t *testing.T, seed uint64, items, keys, workers, keyWorkers, capacity, keyQueue, keyPark int) {
 	rng := rand.New(rand.NewPCG(seed, 7))
 	var mu sync.Mutex
 	running := map[string]int{}
@@ -351,7 +353,7 @@ func keyedProperties(t *testing.T, seed uint64, items, keys, workers, keyWorkers
 	p, err := New(Config[*kitem]{
 		Stages: []StageConfig[*kitem]{
 			{Name: "k", Workers: workers, Capacity: capacity, Key: func(it *kitem) string { return it.key },
-				KeyWorkers: keyWorkers, KeyQueue: keyQueue, Stage: stage},
+				KeyWorkers: keyWorkers, KeyQueue: keyQueue, KeyPark: keyPark, Stage: stage},
 			{Name: "after", Workers: 2, Capacity: 2, SeesFailed: true, Stage: StageFunc[*kitem](func(context.Context, *kitem) error { return nil })},
 		},
 		Sink: func(r Result[*kitem]) { mu.Lock(); ended[r.Item.id]++; mu.Unlock() },
@@ -389,18 +391,235 @@ func TestKeyedProperties(t *testing.T) {
 			if seed%2 == 0 {
 				kw = 1 // FIFO checked
 			}
-			keyedProperties(t, seed, 200+rng.IntN(400), 1+rng.IntN(12), workers, kw, capacity, 1+rng.IntN(capacity))
+			keyedProperties(t, seed, 200+rng.IntN(400), 1+rng.IntN(12), workers, kw, capacity, 1+rng.IntN(capacity), rng.IntN(capacity+2)-1)
 		})
 	}
 }
 
 // FuzzKeyed drives keyedProperties with fuzzed shapes.
 func FuzzKeyed(f *testing.F) {
-	f.Add(uint64(1), uint8(50), uint8(3), uint8(4), uint8(2), uint8(8), uint8(4))
-	f.Add(uint64(2), uint8(200), uint8(1), uint8(1), uint8(1), uint8(1), uint8(1))
-	f.Fuzz(func(t *testing.T, seed uint64, items, keys, workers, keyWorkers, capacity, keyQueue uint8) {
+	f.Add(uint64(1), uint8(50), uint8(3), uint8(4), uint8(2), uint8(8), uint8(4), uint8(0))
+	f.Add(uint64(2), uint8(200), uint8(1), uint8(1), uint8(1), uint8(1), uint8(1), uint8(1))
+	f.Add(uint64(3), uint8(250), uint8(2), uint8(3), uint8(1), uint8(4), uint8(1), uint8(9))
+	f.Fuzz(func(t *testing.T, seed uint64, items, keys, workers, keyWorkers, capacity, keyQueue, keyPark uint8) {
 		w := 1 + int(workers)%8
 		c := 1 + int(capacity)%32
-		keyedProperties(t, seed, 1+int(items), 1+int(keys)%20, w, 1+int(keyWorkers)%w, c, 1+int(keyQueue)%c)
+		keyedProperties(t, seed, 1+int(items), 1+int(keys)%20, w, 1+int(keyWorkers)%w, c, 1+int(keyQueue)%c, int(keyPark)%40-1)
+	})
+}
+
+// keyedRun collects a keyed chain's results.
+type keyedRun struct {
+	mu  sync.Mutex
+	got []Result[*kitem]
+}
+
+func (r *keyedRun) sink(res Result[*kitem]) { r.mu.Lock(); r.got = append(r.got, res); r.mu.Unlock() }
+
+func (r *keyedRun) results() []Result[*kitem] {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]Result[*kitem](nil), r.got...)
+}
+
+// wedgedStage: items of key "slow" wait for release (or the pipeline's
+// cancellation), but for those numbered 2000 and up, which take own; the
+// others take d each (fake time under synctest).
+func wedgedStage(release <-chan struct{}, d, own time.Duration) StageFunc[*kitem] {
+	return func(ctx context.Context, it *kitem) error {
+		if it.key == "slow" && it.id >= 2000 {
+			time.Sleep(own)
+			return nil
+		}
+		if it.key == "slow" {
+			select {
+			case <-release:
+				return nil
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		time.Sleep(d)
+		return nil
+	}
+}
+
+// TestKeyedParkedNotHeld: a wedged key's overflow within the park budget
+// is parked: the sender goes on at once (no fake time passes), an item of
+// another key sent after them all ends first, and nothing is refused, even
+// long after the stall time; when the key recovers, every parked item runs,
+// in order.
+func TestKeyedParkedNotHeld(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		release := make(chan struct{})
+		var run keyedRun
+		var mu sync.Mutex
+		var order []int
+		st := wedgedStage(release, 0, 0)
+		p := keyedChain(t, nil, StageConfig[*kitem]{Workers: 4, Capacity: 16, KeyWorkers: 1, KeyQueue: 8, KeyPark: 20, KeyStall: time.Second,
+			Stage: StageFunc[*kitem](func(ctx context.Context, it *kitem) error {
+				if it.key == "slow" {
+					mu.Lock()
+					order = append(order, it.id)
+					mu.Unlock()
+				}
+				return st(ctx, it)
+			})}, run.sink)
+		ctx := context.Background()
+		start := time.Now()
+		for i := range 29 { // 1 running, 8 waiting, 20 parked
+			if err := p.Submit(ctx, &kitem{id: i, key: "slow"}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := p.Submit(ctx, &kitem{id: 100, key: "fast"}); err != nil {
+			t.Fatal(err)
+		}
+		synctest.Wait()
+		got := run.results()
+		if len(got) != 1 || got[0].Item.key != "fast" || got[0].Outcome != Done {
+			t.Fatalf("results %+v, want the fast item done", got)
+		}
+		if d := time.Since(start); d != 0 {
+			t.Fatalf("the fast item waited %v behind the wedged key", d)
+		}
+		time.Sleep(10 * time.Second) // far past the stall: parked items are never refused
+		synctest.Wait()
+		if n := len(run.results()); n != 1 {
+			t.Fatalf("%d results while wedged, want 1", n)
+		}
+		close(release)
+		if err := p.Close(ctx); err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range run.results() {
+			if r.Outcome != Done {
+				t.Fatalf("%d: %v %v", r.Item.id, r.Outcome, r.Err)
+			}
+		}
+		for i, id := range order {
+			if id != i {
+				t.Fatalf("slow items started in order %v", order)
+			}
+		}
+	})
+}
+
+// TestKeyedAdaptiveStall: a key is stalled after KeyStallFactor times the
+// recent service time (its own; the stage's while it has none), within
+// [MinKeyStall, KeyStall]; only then, and only beyond the park budget, are
+// its items refused.
+func TestKeyedAdaptiveStall(t *testing.T) {
+	cases := []struct {
+		name    string
+		history time.Duration // service time of the stage's earlier items
+		own     time.Duration // of the key's first 5 items (0: none)
+		stall   time.Duration
+		want    time.Duration // when the overflow is refused
+	}{
+		{"no history: KeyStall", 0, 0, 10 * time.Second, 10 * time.Second},
+		{"fast stage: floor", time.Millisecond, 0, 10 * time.Second, MinKeyStall},
+		{"slower stage: factor", 20 * time.Millisecond, 0, 10 * time.Second, KeyStallFactor * 20 * time.Millisecond},
+		{"slow stage: KeyStall", 2 * time.Second, 0, 10 * time.Second, 10 * time.Second},
+		// One item of the key wedges (keeping the key), its next 5 take
+		// 100 ms each, one at a time, ending at 100..500 ms; then its
+		// overflow is refused 8 x 100 ms after its last good end (not
+		// 8 x the stage's 1 ms).
+		{"key's own history", time.Millisecond, 100 * time.Millisecond, 10 * time.Second, 500*time.Millisecond + KeyStallFactor*100*time.Millisecond},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				release := make(chan struct{})
+				var run keyedRun
+				p := keyedChain(t, nil, StageConfig[*kitem]{Workers: 4, Capacity: 8, KeyWorkers: 2, KeyQueue: 4, KeyPark: 4, KeyStall: tc.stall,
+					Stage: wedgedStage(release, tc.history, tc.own)}, run.sink)
+				ctx := context.Background()
+				if tc.history > 0 {
+					for i := range 20 {
+						if err := p.Submit(ctx, &kitem{id: 1000 + i, key: "a"}); err != nil {
+							t.Fatal(err)
+						}
+					}
+					time.Sleep(time.Minute)
+					synctest.Wait()
+				}
+				start := time.Now()
+				wantRefused := 10
+				if tc.own > 0 {
+					for _, id := range []int{500, 2000, 2001, 2002, 2003, 2004} {
+						if err := p.Submit(ctx, &kitem{id: id, key: "slow"}); err != nil {
+							t.Fatal(err)
+						}
+					}
+					time.Sleep(time.Second)
+					synctest.Wait()
+					wantRefused = 11 // item 500 is one of the 2 running
+				}
+				for i := range 20 { // 2 running, 4 waiting, 4 parked, 10 refused
+					if err := p.Submit(ctx, &kitem{id: i, key: "slow"}); err != nil {
+						t.Fatal(err)
+					}
+				}
+				var at time.Duration
+				for {
+					synctest.Wait()
+					n := 0
+					for _, r := range run.results() {
+						if errors.Is(r.Err, ErrKeyStalled) {
+							n++
+						}
+					}
+					if n > 0 {
+						if n != wantRefused {
+							t.Fatalf("%d refused at once, want %d", n, wantRefused)
+						}
+						at = time.Since(start)
+						break
+					}
+					time.Sleep(time.Millisecond)
+				}
+				if at < tc.want || at > tc.want+time.Millisecond {
+					t.Fatalf("refused after %v, want %v", at, tc.want)
+				}
+				close(release)
+				if err := p.Close(ctx); err != nil {
+					t.Fatal(err)
+				}
+			})
+		})
+	}
+}
+
+// TestKeyedBusyKeyBlocks: one busy key (every item takes a while, none
+// wedged), far more items than its queue and park budget: the sender
+// blocks (backpressure), and nothing is refused: the key makes progress
+// well within KeyStallFactor times its service time.
+func TestKeyedBusyKeyBlocks(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var run keyedRun
+		p := keyedChain(t, nil, StageConfig[*kitem]{Workers: 2, Capacity: 4, KeyQueue: 2, KeyPark: 2, KeyStall: time.Second,
+			Stage: StageFunc[*kitem](func(ctx context.Context, it *kitem) error {
+				time.Sleep(time.Duration(1+it.id%5) * 10 * time.Millisecond)
+				return nil
+			})}, run.sink)
+		ctx := context.Background()
+		for i := range 300 {
+			if err := p.Submit(ctx, &kitem{id: i, key: "busy"}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := p.Close(ctx); err != nil {
+			t.Fatal(err)
+		}
+		got := run.results()
+		if len(got) != 300 {
+			t.Fatalf("%d results, want 300", len(got))
+		}
+		for _, r := range got {
+			if r.Outcome != Done {
+				t.Fatalf("%d: %v %v", r.Item.id, r.Outcome, r.Err)
+			}
+		}
 	})
 }

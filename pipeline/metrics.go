@@ -37,6 +37,7 @@ type metrics struct {
 	latency       *prometheus.HistogramVec
 	keyWait       *prometheus.HistogramVec
 	backlogged    *prometheus.Desc
+	parked        *prometheus.Desc
 	scrape        *scrapeCollector
 	latencyBy     [3]prometheus.Observer
 }
@@ -62,6 +63,7 @@ type stageGauges struct {
 	capacity int
 	depth    func() float64
 	keys     func() float64 // keys with a backlog; nil for an unkeyed stage
+	parked   func() float64 // parked items; nil for an unkeyed stage
 	blocked  *blockedClock
 	workers  func() (ok, busy uint64)
 	errors   *atomic.Uint64
@@ -77,6 +79,7 @@ func (c *scrapeCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.m.items
 	ch <- c.m.results
 	ch <- c.m.backlogged
+	ch <- c.m.parked
 }
 
 func (c *scrapeCollector) Collect(ch chan<- prometheus.Metric) {
@@ -92,6 +95,7 @@ func (c *scrapeCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.m.items, prometheus.CounterValue, float64(s.canceled.Load()), s.name, outcomeCanceled)
 		if s.keys != nil {
 			ch <- prometheus.MustNewConstMetric(c.m.backlogged, prometheus.GaugeValue, s.keys(), s.name)
+			ch <- prometheus.MustNewConstMetric(c.m.parked, prometheus.GaugeValue, s.parked(), s.name)
 		}
 	}
 	done, failed, canceled := c.results()
@@ -139,6 +143,8 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) (*metrics, e
 		}, []string{"stage"}),
 		backlogged: prometheus.NewDesc("kvflow_stage_keys_backlogged",
 			"Keys of a keyed stage with items waiting (a key is a peer; no per-key series).", []string{"stage"}, nil),
+		parked: prometheus.NewDesc("kvflow_stage_items_parked",
+			"Items of a keyed stage parked beyond their key's queue (their sender went on; bounded by the stage's park budget).", []string{"stage"}, nil),
 		inflight: prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvflow_pipeline_in_flight",
 			Help: "Accepted items that have not yet reached the sink.",
@@ -161,7 +167,7 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) (*metrics, e
 	return m, nil
 }
 
-func (m *metrics) forStage(name string, capacity int, depth, keys func() float64, workers func() (ok, busy uint64)) stageMetrics {
+func (m *metrics) forStage(name string, capacity int, depth, keys, parked func() float64, workers func() (ok, busy uint64)) stageMetrics {
 	s := stageMetrics{
 		blocked:  &blockedClock{epoch: time.Now()},
 		rejected: m.rejected.WithLabelValues(name),
@@ -171,7 +177,7 @@ func (m *metrics) forStage(name string, capacity int, depth, keys func() float64
 		skipped:  new(atomic.Uint64),
 		canceled: new(atomic.Uint64),
 	}
-	m.scrape.stages = append(m.scrape.stages, stageGauges{name: name, capacity: capacity, depth: depth, keys: keys,
+	m.scrape.stages = append(m.scrape.stages, stageGauges{name: name, capacity: capacity, depth: depth, keys: keys, parked: parked,
 		blocked: s.blocked, workers: workers, errors: s.errors, skipped: s.skipped, canceled: s.canceled})
 	return s
 }

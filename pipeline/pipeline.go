@@ -67,22 +67,33 @@ type StageConfig[T any] struct {
 	// whose items are slow (a wedged peer) holds at most KeyWorkers
 	// workers and KeyQueue places in the queue, and the others go on.
 	// Capacity still bounds the items waiting in the stage, all keys
-	// together: a send blocks while it is full, as for an unkeyed stage.
+	// together (parked ones aside, see KeyPark): a send blocks while it
+	// is full, as for an unkeyed stage.
 	// Key must be cheap and must not block; it is called once per item,
 	// as the item is handed to the stage.
 	Key func(T) string
 	// KeyWorkers bounds the items of one key in Process at once; 0 means
 	// Workers (no bound beyond the stage's).
 	KeyWorkers int
-	// KeyQueue bounds the items of one key waiting in the stage; 0 means
-	// Capacity. A send that would exceed it blocks until one of the key's
-	// items is taken, or is refused when the key is stalled (KeyStall).
+	// KeyQueue bounds the items of one key waiting in the stage within
+	// Capacity; 0 means Capacity. A send beyond it parks the item (see
+	// KeyPark): the sender goes on at once, so a slow key never holds the
+	// stage before it. Only when the park budget is spent does the send
+	// block until one of the key's items is taken, or is refused when the
+	// key is stalled (KeyStall).
 	KeyQueue int
-	// KeyStall: a key with items in Process none of which ended without
-	// error for KeyStall (since the key turned busy or its last such end)
-	// is stalled; a send that would exceed its KeyQueue is then refused at
-	// once with ErrKeyStalled (the item fails at this stage) instead of
-	// holding its sender. 0: never refused, the send blocks.
+	// KeyPark bounds the parked items, all keys together: items that wait
+	// beyond their key's KeyQueue and outside Capacity. 0 means Capacity;
+	// -1 means none (a send beyond KeyQueue blocks at once).
+	KeyPark int
+	// KeyStall bounds how long a key may have items in Process none of
+	// which ended without error (since the key turned busy or its last
+	// such end) before it is stalled; the key is stalled sooner, after
+	// KeyStallFactor times its recent service time (never under
+	// MinKeyStall). A send that would exceed a stalled key's KeyQueue
+	// when the park budget is spent is refused at once with
+	// ErrKeyStalled (the item fails at this stage) instead of holding its
+	// sender. 0: never refused, the send blocks.
 	KeyStall time.Duration
 	// MaxKeys bounds the distinct keys with items waiting or in Process;
 	// an item with a new key beyond is refused with ErrTooManyKeys.
@@ -318,12 +329,13 @@ func New[T any](cfg Config[T]) (*Pipeline[T], error) {
 			s.failed = fa.ProcessFailed
 		}
 		depth := func() float64 { return float64(len(s.queue)) }
-		var backlogged func() float64
+		var backlogged, parked func() float64
 		if s.keyed != nil {
 			depth = func() float64 { return float64(s.keyed.waiting.Load()) }
 			backlogged = func() float64 { return float64(s.keyed.backlogged.Load()) }
+			parked = func() float64 { return float64(s.keyed.parkedN.Load()) }
 		}
-		s.m = m.forStage(sc.Name, sc.Capacity, depth, backlogged, s.workerStates)
+		s.m = m.forStage(sc.Name, sc.Capacity, depth, backlogged, parked, s.workerStates)
 		p.stages = append(p.stages, s)
 	}
 	for i, s := range p.stages[1:] {
@@ -430,8 +442,8 @@ func validate[T any](cfg Config[T]) error {
 func validateKey[T any](s StageConfig[T]) []error {
 	var errs []error
 	if s.Key == nil {
-		if s.KeyWorkers != 0 || s.KeyQueue != 0 || s.KeyStall != 0 || s.MaxKeys != 0 {
-			errs = append(errs, fmt.Errorf("pipeline: stage %q: key_workers, key_queue, key_stall or max_keys set without a key", s.Name))
+		if s.KeyWorkers != 0 || s.KeyQueue != 0 || s.KeyStall != 0 || s.KeyPark != 0 || s.MaxKeys != 0 {
+			errs = append(errs, fmt.Errorf("pipeline: stage %q: key_workers, key_queue, key_park, key_stall or max_keys set without a key", s.Name))
 		}
 		return errs
 	}
@@ -440,6 +452,9 @@ func validateKey[T any](s StageConfig[T]) []error {
 	}
 	if s.KeyQueue < 0 || (s.Capacity > 0 && s.KeyQueue > s.Capacity) {
 		errs = append(errs, fmt.Errorf("pipeline: stage %q: key queue must be 0 (capacity) or 1..%d (capacity), got %d", s.Name, s.Capacity, s.KeyQueue))
+	}
+	if s.KeyPark < -1 {
+		errs = append(errs, fmt.Errorf("pipeline: stage %q: key park must be -1 (none), 0 (capacity) or more, got %d", s.Name, s.KeyPark))
 	}
 	if s.KeyStall < 0 {
 		errs = append(errs, fmt.Errorf("pipeline: stage %q: key stall must be >= 0, got %v", s.Name, s.KeyStall))

@@ -10,7 +10,8 @@
 # and lib/), taken from the environment or from ~/.config/kvflow/mooncake.env
 # (MOONCAKE_ENV overrides the path), which ../shared/tools/mooncake-build.sh
 # writes; MOONCAKE_LDFLAGS there gives the link line, MOONCAKE_PY the
-# directory of Mooncake's Python module (TestStockMooncakeInitiator). Without
+# directory of Mooncake's Python module (TestStockMooncakeInitiator),
+# MOONCAKE_BENCH its transfer_engine_bench (TestStockMooncakeBench). Without
 # MOONCAKE_PREFIX it prints why and exits 0 (skipped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,8 +40,12 @@ set -x
 "$GO" vet -tags mooncake ./hw/mooncake/...
 "$GO" test -tags mooncake -race -count=1 -timeout 10m -exec "$PWD/scripts/netns-exec.sh" ./hw/mooncake/mooncakec/
 # Mooncake's own engine (its Python module, MOONCAKE_PY) reading from
-# kvflow's target, connection pool off and on; skipped without MOONCAKE_PY.
-"$GO" test -race -count=1 -timeout 5m -exec "$PWD/scripts/netns-exec.sh" -run 'TestStockMooncakeInitiator' -v ./hw/mooncake/ | grep -E '^(=== RUN|--- |\s+---|PASS|FAIL|ok)|skip'
+# kvflow's target, connection pool off and on, and a decode-sized load (8
+# threads × 2048-request batches, one connection per request); then
+# transfer_engine_bench (MOONCAKE_BENCH) as initiator with its default 12
+# threads. Each is skipped without its variable.
+export MOONCAKE_BENCH="${MOONCAKE_BENCH:-}"
+"$GO" test -race -count=1 -timeout 5m -exec "$PWD/scripts/netns-exec.sh" -run 'TestStockMooncakeInitiator|TestStockMooncakeBench' -v ./hw/mooncake/ | grep -E '^(=== RUN|--- |\s+---|PASS|FAIL|ok)|skip|throughput'
 # The node on Mooncake's engine (its tests enter a namespace themselves).
 export MOONCAKE_PREFIX
 # shellcheck disable=SC2086

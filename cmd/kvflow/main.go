@@ -11,6 +11,7 @@ import (
 	"syscall"
 
 	"github.com/kvflow/kvflow/internal/cli/clierr"
+	"github.com/kvflow/kvflow/internal/cli/flaghelp"
 )
 
 // Exit codes.
@@ -113,9 +114,7 @@ func printHelp(fs *flag.FlagSet, w io.Writer) {
 		return
 	}
 	fmt.Fprintf(w, "usage: kvflow %s [flags]\n\nflags:\n", fs.Name())
-	fs.SetOutput(w)
-	fs.PrintDefaults()
-	fs.SetOutput(io.Discard)
+	flaghelp.Print(w, fs)
 }
 
 // parseFlags parses fs, turning flag errors into usage errors; -h prints

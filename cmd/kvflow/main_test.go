@@ -387,7 +387,7 @@ func TestExitCodes(t *testing.T) {
 
 // The command line behaves: a bad flag value prints the error once and a
 // pointer to --help (not the whole flag list); --help of every command goes
-// to stdout and exits 0; bool flags render without an argument; version
+// to stdout and exits 0, one line per flag; bool flags render without an argument; version
 // says what built the binary.
 func TestCLIOutput(t *testing.T) {
 	t.Run("bad flag value", func(t *testing.T) {
@@ -409,15 +409,15 @@ func TestCLIOutput(t *testing.T) {
 			want string
 		}{
 			{[]string{"--help"}, "usage: kvflow <command>"},
-			{[]string{"serve", "--help"}, "  -tp-rank int\n"},
-			{[]string{"serve", "-h"}, "  -engine-id string\n"},
-			{[]string{"demo", "--help"}, "  -requests int\n"},
-			{[]string{"probe", "--help"}, "  -remote HOST:PORT\n"},
-			{[]string{"keygen", "--help"}, "  -secret FILE\n"},
+			{[]string{"serve", "--help"}, "  -tp-rank int "},
+			{[]string{"serve", "-h"}, "  -engine-id string "},
+			{[]string{"demo", "--help"}, "  -requests int "},
+			{[]string{"probe", "--help"}, "  -remote HOST:PORT "},
+			{[]string{"keygen", "--help"}, "  -secret FILE "},
 			{[]string{"plan", "--help"}, "usage: kvflow plan"},
 			{[]string{"bench", "--help"}, "usage: kvflow bench te|e2e"},
 			{[]string{"bench", "te", "--help"}, "usage: kvflow bench te"},
-			{[]string{"bench", "e2e", "--help"}, "  -in-process\n    \t"},
+			{[]string{"bench", "e2e", "--help"}, "  -in-process "},
 			{[]string{"version", "--help"}, "usage: kvflow version"},
 		} {
 			code, out, errOut := runCmd(tc.args...)

@@ -95,10 +95,16 @@ type TCPConfig struct {
 	// peer with the same setting never sends on a lane the target is about
 	// to close.
 	IdleTimeout time.Duration
-	// MaxConns caps the open connections of each port (data, RPC);
-	// MaxConnsPerPeer the open connections of each port from one remote
-	// address (an IPv6 peer counts per /64). A connection beyond either is
-	// closed at once.
+	// MaxConns caps the open connections of each port (data, RPC).
+	// MaxConnsPerPeer caps, per port and remote address (an IPv6 peer
+	// counts per /64), the connections not yet working (a data connection
+	// works once its first request is valid; an RPC one never does), and
+	// only while the port is under pressure: it holds at least as many
+	// connections as it has room left for, under MaxConns or under
+	// FDReserve, whichever is less. A connection beyond either cap is
+	// closed at once. Working connections count only against MaxConns, so
+	// a Mooncake initiator with its pool off (a connection per request, a
+	// whole batch at once) is not capped per address.
 	MaxConns, MaxConnsPerPeer int
 	// FDReserve is the number of file descriptors kept free for the rest of
 	// the process: a new connection to either port is closed at once when
@@ -173,14 +179,27 @@ func DefaultTCPConfig() TCPConfig {
 		// keeps every lane of an active peer (kvflow's own drop theirs at
 		// 2.5 min) while an idle connection cannot be held for ever.
 		IdleTimeout: 5 * time.Minute,
-		// Each reading peer holds Lanes (4) connections: 4096 serves ~1000
-		// decode ranks, more than any P/D deployment pairs with one
-		// prefill rank, and is a small share of a raised RLIMIT_NOFILE.
-		MaxConns: 4096,
-		// One host runs up to 8–16 decode ranks × a few DP replicas, 4
-		// lanes each, and a Mooncake initiator without a connection pool
-		// opens one connection per in-flight slice: 256 covers them, and
-		// one outside address cannot take more than 1/16 of MaxConns.
+		// A kvflow peer holds Lanes (4) connections, but a Mooncake
+		// initiator with its connection pool off (its default) opens one
+		// per request, a whole batch at once: the seed's decode reads
+		// layers × caches × block groups requests (61 × 2 × G) per batch
+		// from 32 threads, several ranks per host. 8 threads × 2048
+		// requests from one process (TestStockMooncakeInitiator) held up
+		// to ~3400 connections open at once on loopback, ~1600 of them
+		// before their first request. 32768 leaves a busy prefill rank
+		// room for several such hosts; what bounds it in practice is the
+		// descriptor budget (FDReserve below the soft RLIMIT_NOFILE, which
+		// kvflow serve raises to the hard limit). Each open data
+		// connection costs ~72 KiB (a 64 KiB header buffer and a
+		// goroutine), ~2.3 GiB at the cap.
+		MaxConns: 32768,
+		// The per-address cap bounds only connections that have sent no
+		// valid request yet, and only once the port is under pressure
+		// (half of its room taken): what a slowloris holds, each gone
+		// within FirstByteTimeout. Then one outside address holds at most
+		// 256 of the other half, and a legitimate peer's working
+		// connections (its lanes, a one-shot initiator's transfers in
+		// flight) still count only against MaxConns.
 		MaxConnsPerPeer: 256,
 		// Room for what the process opens besides data connections: the
 		// side channel's peers (ZMQ keeps one descriptor per connected
@@ -271,6 +290,6 @@ func (c *TCPConfig) RegisterFlags(fs *flag.FlagSet, prefix string) {
 	fs.DurationVar(&c.FirstByteTimeout, prefix+"first-byte-timeout", c.FirstByteTimeout, "close a data connection with no request this long after accept")
 	fs.DurationVar(&c.IdleTimeout, prefix+"idle-timeout", c.IdleTimeout, "close a data connection with no request for this long")
 	fs.IntVar(&c.MaxConns, prefix+"max-conns", c.MaxConns, "open connections per port (data, rpc)")
-	fs.IntVar(&c.MaxConnsPerPeer, prefix+"max-conns-per-peer", c.MaxConnsPerPeer, "open connections per port from one remote address")
+	fs.IntVar(&c.MaxConnsPerPeer, prefix+"max-conns-per-peer", c.MaxConnsPerPeer, "connections per port from one remote address not yet past a valid first request, capped once the port is half full")
 	fs.IntVar(&c.FDReserve, prefix+"fd-reserve", c.FDReserve, "refuse connections when fewer file descriptors than this are left, 0 = no check")
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"math"
 	"net"
 	"os"
 	"strconv"
@@ -165,6 +166,88 @@ func TestConnCaps(t *testing.T) {
 			waitFor(t, func() bool { return srv.portOpen(pc) == 3 })
 			if refused(refusedPeerCap)+refused(refusedTotalCap)+refused(refusedFDReserve) != 2 {
 				t.Fatal("a connection within the caps was refused")
+			}
+		})
+	}
+}
+
+// MaxConnsPerPeer counts an address's connections that have not yet
+// sent a valid request, and only once the port is under pressure (as
+// many connections open as room left): below it a one-shot initiator may
+// open a whole batch at once; above it one address's silent connections
+// are capped while its working ones count only against MaxConns.
+func TestPeerCapPending(t *testing.T) {
+	cfg := testConfig()
+	cfg.MaxConns, cfg.MaxConnsPerPeer = 8, 2
+	srv, _ := newEngine(t, cfg)
+	rem := register(t, srv, 1<<16, 1)
+	addr := dataAddr(srv)
+	refused := func(reason string) float64 {
+		return testutil.ToFloat64(srv.m.connRefused.WithLabelValues(portData, reason))
+	}
+	// Below pressure: 4 silent connections from one address (twice the
+	// cap) are admitted; the 5th finds the port half full and is refused.
+	var silent []net.Conn
+	for i := range 4 {
+		silent = append(silent, dialFrom(t, "127.0.0.1", addr))
+		waitFor(t, func() bool { return srv.portOpen(srv.dataConns) == i+1 })
+	}
+	refusedAt(t, "127.0.0.1", addr)
+	if refused(refusedPeerCap) != 1 {
+		t.Fatalf("peer_cap refusals %v, want 1", refused(refusedPeerCap))
+	}
+	// A silent connection that sends a valid request leaves the address's
+	// pending count: the address may open another silent one, then no
+	// more (pending at the cap, port under pressure).
+	for _, c := range silent[:3] {
+		var hb [HeaderSize]byte
+		PutHeader(&hb, Header{Size: 4096, Addr: AddrOf(rem), Opcode: OpcodeRead, V2: true})
+		if _, err := c.Write(hb[:]); err != nil {
+			t.Fatal(err)
+		}
+		c.SetReadDeadline(time.Now().Add(20 * time.Second))
+		if _, err := io.ReadFull(c, make([]byte, StatusSize+4096)); err != nil {
+			t.Fatalf("served read: %v", err)
+		}
+	}
+	dialFrom(t, "127.0.0.1", addr) // pending: 2
+	waitFor(t, func() bool { return srv.portOpen(srv.dataConns) == 5 })
+	refusedAt(t, "127.0.0.1", addr)
+	if refused(refusedPeerCap) != 2 {
+		t.Fatalf("peer_cap refusals %v, want 2", refused(refusedPeerCap))
+	}
+	// Other addresses fill the port; then the total cap refuses.
+	for i, src := range []string{"127.0.0.2", "127.0.0.2", "127.0.0.4"} {
+		dialFrom(t, src, addr)
+		waitFor(t, func() bool { return srv.portOpen(srv.dataConns) == 6+i })
+	}
+	refusedAt(t, "127.0.0.3", addr)
+	if refused(refusedTotalCap) != 1 || refused(refusedPeerCap) != 2 || refused(refusedFDReserve) != 0 {
+		t.Fatalf("refusals peer_cap %v total_cap %v fd_reserve %v, want 2 1 0",
+			refused(refusedPeerCap), refused(refusedTotalCap), refused(refusedFDReserve))
+	}
+}
+
+func TestPeerCapped(t *testing.T) {
+	const maxConns, perPeer = 100, 10
+	for _, tc := range []struct {
+		name           string
+		pending, total int
+		room           int64
+		want           bool
+	}{
+		{"under the cap", 9, 99, 1000, false},
+		{"at the cap, port under half", 10, 49, 1000, false},
+		{"at the cap, port half full", 10, 50, 1000, true},
+		{"past the cap, port under half", 500, 40, 1000, false},
+		{"at the cap, descriptors half spent", 10, 20, 20, true},
+		{"at the cap, descriptors to spare", 10, 20, 21, false},
+		{"descriptors unknown", 10, 20, math.MaxInt64, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := peerCapped(tc.pending, tc.total, maxConns, perPeer, tc.room); got != tc.want {
+				t.Fatalf("peerCapped(%d, %d, %d, %d, %d) = %v, want %v",
+					tc.pending, tc.total, maxConns, perPeer, tc.room, got, tc.want)
 			}
 		})
 	}

@@ -170,8 +170,12 @@
 //     IOTimeout. An RPC connection has HandshakeTimeout (5 s) for its whole
 //     exchange. Cuts are counted in
 //     kvflow_transfer_connections_timed_out_total{port,reason}.
-//   - Each port holds at most MaxConns (4096) connections, at most
-//     MaxConnsPerPeer (256) from one address (IPv6: one /64).
+//   - Each port holds at most MaxConns (32768) connections. Once it is
+//     under pressure (it holds as many as it has room left for, under
+//     MaxConns or the descriptor reserve), one address (IPv6: one /64)
+//     may hold at most MaxConnsPerPeer (256) connections that have not
+//     yet sent a valid request; a data connection whose first request
+//     was valid counts only against MaxConns.
 //   - A new connection to either port is refused when the process holds
 //     more descriptors than the soft RLIMIT_NOFILE minus FDReserve (256):
 //     the control socket, the side channel and HTTP keep room to accept
@@ -191,19 +195,26 @@
 // buffer and pending-response list come from a pool (allocated per
 // connection, the buffer was 96% of the bytes BenchmarkAuthConnect
 // allocated, and zeroing and collecting it ~15% of that benchmark's CPU).
-// Caps still apply: an initiator with the pool off opens up to threads ×
-// batch size connections at once (transfer_engine_bench's defaults, 12 ×
-// 128, exceed MaxConnsPerPeer), so raise node.limits' te_max_conns_per_peer
-// for such peers or have them turn the pool on. An initiator drops a lane idle for
+// An initiator with the pool off opens up to threads × batch size
+// connections at once from one address (transfer_engine_bench's
+// defaults: 12 × 128; the seed's decode: 32 threads × 61 × 2 × block
+// groups), connecting for a whole batch before it writes the first
+// header, so most of them are briefly pending: the per-address cap
+// therefore waits for pressure, and counts only pending connections,
+// and such a burst meets only MaxConns and the descriptor reserve. An
+// initiator drops a lane idle for
 // IdleTimeout/2 and dials afresh, so it never sends on a connection a
 // kvflow target with the same setting is closing. A lane also redials
 // when the peer was handshaken again since it connected (the peer may be
 // a new process on the same RPC port). Under a flood, lanes
 // already open keep working; a new lane may be refused, which fails the
-// op it carried. What remains open to an outsider: occupying the caps
-// (up to MaxConns per port from MaxConns/MaxConnsPerPeer addresses)
-// refuses new legitimate connections until the outsider's are cut, and a
-// peer that sends valid requests keeps its connection. With RequireAuth
+// op it carried. What remains open to an outsider: silent connections
+// from one address can take half of a port's room (then the per-address
+// cap applies), several addresses the rest, refusing new legitimate
+// connections until FirstByteTimeout cuts the outsiders'; under that
+// pressure a legitimate one-shot burst is refused past MaxConnsPerPeer
+// pending connections. A peer that sends valid requests keeps its
+// connections (IdleTimeout between requests), up to MaxConns. With RequireAuth
 // (below) only a peer holding a credential can send a request: others are
 // cut at their first 8 bytes, or within the lesser of FirstByteTimeout
 // and HandshakeTimeout.

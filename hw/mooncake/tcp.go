@@ -243,34 +243,47 @@ func (e *TCPEngine) Close() error {
 var errEngineClosed = errors.New("closing")
 
 // track admits an accepted connection of port pc, counted against the
-// caps, and records it so Close can end it. It returns the refusal
-// reason ("" when admitted), or errEngineClosed.
-func (e *TCPEngine) track(c net.Conn, pc *portConns, key netip.Addr) (string, error) {
+// caps (pending for its address, see admission), and records it so Close
+// can end it; room is what the descriptor reserve still allows
+// (fdBudget.room). It returns the refusal reason ("" when admitted), or
+// errEngineClosed.
+//
+// MaxConnsPerPeer applies once the port is under pressure: it holds at
+// least as many connections as it has room left for (under MaxConns and
+// under the descriptor reserve, whichever is less). Below that, an
+// address may hold any number of pending connections: a Mooncake
+// initiator with its connection pool off connects for a whole batch
+// before its first header is written (thousands from one address, each
+// pending for a moment). Above it, one address cannot take more than
+// MaxConnsPerPeer of the second half with connections that do nothing,
+// and its silent ones are gone within FirstByteTimeout.
+func (e *TCPEngine) track(c net.Conn, pc *portConns, key netip.Addr, room int64) (*admission, string, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	switch {
 	case e.closed:
-		return "", errEngineClosed
+		return nil, "", errEngineClosed
 	case pc.total >= e.cfg.MaxConns:
-		return refusedTotalCap, nil
-	case pc.perPeer[key] >= e.cfg.MaxConnsPerPeer:
-		return refusedPeerCap, nil
+		return nil, refusedTotalCap, nil
+	case peerCapped(pc.pending[key], pc.total, e.cfg.MaxConns, e.cfg.MaxConnsPerPeer, room):
+		return nil, refusedPeerCap, nil
 	}
 	pc.total++
-	pc.perPeer[key]++
+	pc.pending[key]++
 	e.open.Add(1)
 	e.conns[c] = struct{}{}
 	e.wg.Add(1)
-	return "", nil
+	return &admission{e: e, pc: pc, key: key, pending: true}, "", nil
 }
 
-func (e *TCPEngine) untrack(c net.Conn, pc *portConns, key netip.Addr) {
+func (e *TCPEngine) untrack(c net.Conn, a *admission) {
 	c.Close()
 	e.mu.Lock()
 	delete(e.conns, c)
-	pc.total--
-	if pc.perPeer[key]--; pc.perPeer[key] <= 0 {
-		delete(pc.perPeer, key)
+	a.pc.total--
+	if a.pending {
+		a.pending = false
+		a.pc.unpend(a.key)
 	}
 	e.mu.Unlock()
 	e.open.Add(-1)
@@ -295,7 +308,7 @@ func (e *TCPEngine) refuse(c net.Conn, port, reason string) {
 
 // acceptLoop accepts pc's connections: each is admitted (descriptor
 // reserve, then caps) or refused, and served on its own goroutine.
-func (e *TCPEngine) acceptLoop(ln net.Listener, pc *portConns, serve func(net.Conn)) {
+func (e *TCPEngine) acceptLoop(ln net.Listener, pc *portConns, serve func(net.Conn, *admission)) {
 	defer e.wg.Done()
 	var backoff time.Duration
 	for {
@@ -320,12 +333,13 @@ func (e *TCPEngine) acceptLoop(ln net.Listener, pc *portConns, serve func(net.Co
 			continue
 		}
 		backoff = 0
-		if !e.fds.allow(e.open.Load(), time.Now()) {
+		room := e.fds.room(e.open.Load(), time.Now())
+		if room <= 0 {
 			e.refuse(c, pc.name, refusedFDReserve)
 			continue
 		}
 		key := peerKey(c.RemoteAddr())
-		reason, err := e.track(c, pc, key)
+		a, reason, err := e.track(c, pc, key, room)
 		if err != nil {
 			c.Close()
 			return
@@ -335,8 +349,8 @@ func (e *TCPEngine) acceptLoop(ln net.Listener, pc *portConns, serve func(net.Co
 			continue
 		}
 		go func() {
-			defer e.untrack(c, pc, key)
-			serve(c)
+			defer e.untrack(c, a)
+			serve(c, a)
 		}()
 	}
 }
@@ -353,7 +367,7 @@ var (
 // serveRPC answers one handshake frame per connection, as Mooncake's
 // daemon does: read a frame, reply with the same type, half-close, wait
 // for the peer to close.
-func (e *TCPEngine) serveRPC(c net.Conn) {
+func (e *TCPEngine) serveRPC(c net.Conn, _ *admission) {
 	// The whole exchange, first byte included, within HandshakeTimeout.
 	c.SetDeadline(time.Now().Add(e.cfg.HandshakeTimeout))
 	if e.auth != nil && !e.authenticate(c, portRPC) {

@@ -100,8 +100,9 @@ func (e *TCPEngine) flushPending(c net.Conn, p *pending) error {
 // through a buffer: when several pipelined READ headers arrived together,
 // their small responses go out in one writev. A refusal ends the
 // connection once the responses before it are written (a v2 peer first
-// gets the reject status).
-func (e *TCPEngine) serveData(c net.Conn) {
+// gets the reject status). The connection counts against its address's
+// MaxConnsPerPeer until its first request is found valid (a.working).
+func (e *TCPEngine) serveData(c net.Conn, a *admission) {
 	e.m.targetConns.Inc()
 	defer e.m.targetConns.Dec()
 	// TCP_NODELAY (and keep-alive) come from the listener (listenConfig).
@@ -218,6 +219,10 @@ func (e *TCPEngine) serveData(c net.Conn) {
 			}
 			e.reject(c, br, h, reason, peer, err)
 			return
+		}
+		if a != nil {
+			a.working() // a valid request: off the per-address cap
+			a = nil
 		}
 		if strided {
 			if err := e.flushPending(c, p); err == nil {

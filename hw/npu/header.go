@@ -146,6 +146,15 @@ func decodeHeader(path string, b []byte, fileSize int64) (header, Layout, error)
 	h.dataOffset = le.Uint64(b[104:])
 	h.dataSize = le.Uint64(b[112:])
 	h.fileSize = le.Uint64(b[120:])
+	// Before anything is sized by the header (a peer's, over hw/shm, may
+	// be hostile with a matching checksum): the layout allocates one
+	// offset per cache, and data offset + size must not wrap.
+	if h.shape.NumLayers > maxFileLayers {
+		return bad(ErrBadSize, "%d layers, at most %d", h.shape.NumLayers, maxFileLayers)
+	}
+	if h.dataOffset > maxBytes || h.dataSize > maxBytes || h.fileSize > 2*maxBytes {
+		return bad(ErrBadSize, "data offset %d, size %d or file size %d above 2^50", h.dataOffset, h.dataSize, h.fileSize)
+	}
 	l, err := NewLayout(h.shape)
 	if err != nil {
 		return header{}, Layout{}, fmt.Errorf("%w: %s: %w", ErrBadFile, path, err)
@@ -161,6 +170,10 @@ func decodeHeader(path string, b []byte, fileSize int64) (header, Layout, error)
 	}
 	return h, l, nil
 }
+
+// maxFileLayers bounds a cache file's layer count (real models have a
+// few hundred): a header's shape sizes the layout's tables.
+const maxFileLayers = 1 << 16
 
 // HeaderSize is the length of a cache file's header (the bytes its
 // checksum covers plus the checksum), the bytes FileHeader.Raw holds.

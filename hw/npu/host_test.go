@@ -371,6 +371,9 @@ func FuzzDecodeHeader(f *testing.F) {
 		if !bytes.Equal(h.encode(), b[:headerSize]) || int64(h.fileSize) != size || uint64(l.Size()) != h.dataSize {
 			t.Fatal("accepted header does not round-trip")
 		}
+		if h.fileSize < h.dataOffset || int64(h.dataOffset) < 0 || h.shape.NumLayers > maxFileLayers {
+			t.Fatalf("accepted header sizes nothing safely: data at %d, file %d, %d layers", h.dataOffset, h.fileSize, h.shape.NumLayers)
+		}
 	})
 }
 

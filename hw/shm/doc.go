@@ -13,10 +13,11 @@
 // path, device, inode and size, the file's header bytes (shape, sizes,
 // CRC-32C), and its grant table's path, device, inode and epoch. Open
 // trusts none of it: it opens both files read-only with O_NOFOLLOW and
-// checks each against the claim (fstat device, inode and size, the header
-// byte for byte, the table's magic, block count and epoch, the peer's
-// kv_caches_base_addr against the header's layout) before anything is
-// mapped. A file that differs in any of these is refused (ErrMismatch); a
+// checks each against the claim (the table must be the cache file's own,
+// "<cache>.grants", with the cache file's owner; fstat device, inode and
+// size, neither above the host's memory; the header byte for byte, the
+// table's magic, block count and epoch, the peer's kv_caches_base_addr
+// against the header's layout) before anything is mapped. A file that differs in any of these is refused (ErrMismatch); a
 // claim from another host is ErrNotSameHost; the caller then reads over
 // the network.
 //
@@ -82,6 +83,10 @@
 //   - Never map a file whose device, inode, size or header differs from the
 //     claim, never follow a symbolic link, never open the cache file for
 //     writing: the reader's mapping is PROT_READ.
+//   - Never take a grant table that is not the cache file's own (its path
+//     plus TableSuffix, same owner): a hostile prefill could otherwise name
+//     a cache file it cannot read itself (another worker's) and have this
+//     process read it as the prefill's.
 //   - Never return a batch as good unless its request (when named) and
 //     every block it read were granted from before its copy to after it,
 //     in the claimed epoch, with the owner alive.

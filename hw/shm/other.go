@@ -27,6 +27,9 @@ func (*Table) RevokeRequest(string, []int) error { return ErrUnsupported }
 func (*Table) Close(bool) error                  { return nil }
 func MakeClaim(string, *Table) (Claim, error)    { return Claim{}, ErrUnsupported }
 
+// HostMemory is unknown off Linux.
+func HostMemory() uint64 { return ^uint64(0) }
+
 type Options struct {
 	HostID    string
 	BaseAddrs []uint64

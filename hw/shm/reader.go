@@ -93,6 +93,7 @@ type Reader struct {
 	slots   int // request slots of the table
 	epoch   uint64
 	pidfd   int
+	uid     uint32 // the cache file's owner, which the table's must be
 	remote  []span // the peer's caches by address
 	local   []span // this process's memory by address
 
@@ -130,6 +131,14 @@ func Open(c Claim, opts Options) (*Reader, error) {
 	if c.HostID == "" || c.HostID != id {
 		return nil, fmt.Errorf("%w: claim says host %q, this is %q", ErrNotSameHost, c.HostID, id)
 	}
+	// The grant table is bound to the cache file: next to it, with its
+	// owner. Otherwise a hostile prefill could name another worker's
+	// cache (its identity and header are no secret) with a table of its
+	// own, and this process, which may read that file where the prefill
+	// cannot, would serve that cache's bytes as the prefill's.
+	if c.Grants != c.Path+TableSuffix {
+		return nil, fmt.Errorf("%w: grant table %q is not the cache file's (%q)", ErrMismatch, c.Grants, c.Path+TableSuffix)
+	}
 	cf, st, err := openChecked(c.Path, c.Dev, c.Ino)
 	if err != nil {
 		return nil, err
@@ -149,11 +158,17 @@ func Open(c Claim, opts Options) (*Reader, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrMismatch, err)
 	}
+	if lim := HostMemory(); uint64(fh.FileSize) > lim {
+		// A cache lives in memory: a larger (sparse) file would only
+		// spend this process's address space, which the next mapping
+		// or heap growth then lacks.
+		return nil, fmt.Errorf("%w: %s is %d bytes, more than this host's memory and swap (%d)", ErrMismatch, c.Path, fh.FileSize, lim)
+	}
 	l := fh.Layout
 	if len(opts.BaseAddrs) != l.NumCaches() {
 		return nil, fmt.Errorf("%w: %d base addresses for a file of %d caches", ErrMismatch, len(opts.BaseAddrs), l.NumCaches())
 	}
-	r := &Reader{layout: l, nblocks: l.Shape().NumBlocks, epoch: c.Epoch, pidfd: -1}
+	r := &Reader{layout: l, nblocks: l.Shape().NumBlocks, epoch: c.Epoch, pidfd: -1, uid: st.Sys().(*syscall.Stat_t).Uid}
 	if err := r.openTableSafe(c); err != nil {
 		r.release()
 		return nil, err
@@ -191,6 +206,16 @@ func Open(c Claim, opts Options) (*Reader, error) {
 	r.data = mem[fh.DataOffset : fh.DataOffset+l.Size() : fh.DataOffset+l.Size()]
 	ok = true
 	return r, nil
+}
+
+// HostMemory is this host's memory and swap in bytes (the most a
+// same-host cache file can hold), or the largest uint64 when unknown.
+func HostMemory() uint64 {
+	var si unix.Sysinfo_t
+	if err := unix.Sysinfo(&si); err != nil || si.Unit == 0 {
+		return ^uint64(0)
+	}
+	return (uint64(si.Totalram) + uint64(si.Totalswap)) * uint64(si.Unit)
 }
 
 // openChecked opens path read-only, refusing a symbolic link, anything
@@ -254,6 +279,9 @@ func (r *Reader) openTable(c Claim) error {
 		return err
 	}
 	defer f.Close()
+	if uid := st.Sys().(*syscall.Stat_t).Uid; uid != r.uid {
+		return fmt.Errorf("%w: grant table %s is owned by uid %d, the cache file by uid %d", ErrMismatch, c.Grants, uid, r.uid)
+	}
 	// Its header is read before anything is mapped.
 	head := make([]byte, tableHeader)
 	if _, err := f.ReadAt(head, 0); err != nil {
@@ -269,6 +297,9 @@ func (r *Reader) openTable(c Claim) error {
 	}
 	r.slots = int(slots)
 	size := tableSize(r.nblocks, r.slots)
+	if lim := HostMemory(); uint64(size) > lim {
+		return fmt.Errorf("%w: grant table %s would be %d bytes, more than this host's memory and swap (%d)", ErrMismatch, c.Grants, size, lim)
+	}
 	if st.Size() != size {
 		return fmt.Errorf("%w: grant table %s is %d bytes, want %d", ErrMismatch, c.Grants, st.Size(), size)
 	}
@@ -417,8 +448,10 @@ func (r *Reader) Read(ctx context.Context, req string, ops []Op, s Stride) (err 
 	allW := all.Load()
 	if req != "" {
 		key := requestKey(req)
-		off, ok := r.findSlot(key)
+		off, ok, err := r.findSlot(ctx, key)
 		switch {
+		case err != nil:
+			return fmt.Errorf("shm: read of request %q not started: %w", req, err)
 		case ok:
 			w := word(r.table, off+8).Load()
 			if uint32(w) == 0 {
@@ -477,18 +510,23 @@ func (r *Reader) Read(ctx context.Context, req string, ops []Op, s Stride) (err 
 }
 
 // findSlot is the offset of key's request slot, probing as Table.slot.
-func (r *Reader) findSlot(key uint64) (int, bool) {
+// The table is the peer's to write: a chain as long as the table (every
+// key set) is probed with ctx checked every 4096 slots.
+func (r *Reader) findSlot(ctx context.Context, key uint64) (int, bool, error) {
 	mask := r.slots - 1
 	for n, i := 0, int(key)&mask; n < r.slots; n, i = n+1, (i+1)&mask {
+		if n&4095 == 4095 && ctx.Err() != nil {
+			return 0, false, ctx.Err()
+		}
 		off := slotOff(r.nblocks, i)
 		switch word(r.table, off).Load() {
 		case key:
-			return off, true
+			return off, true, nil
 		case 0:
-			return 0, false
+			return 0, false, nil
 		}
 	}
-	return 0, false
+	return 0, false, nil
 }
 
 // resolve checks op against the peer's caches and the local memory.
@@ -503,6 +541,9 @@ func (r *Reader) resolve(op Op, s Stride) (plan, error) {
 			return plan{}, fmt.Errorf("%w: %d bytes are not rows of %d", ErrRange, op.Len, s.Row)
 		}
 		p.rows = op.Len / s.Row
+		if p.rows-1 > (^uint64(0)-s.Row)/s.Pitch {
+			return plan{}, fmt.Errorf("%w: %d rows %d bytes apart overflow", ErrRange, p.rows, s.Pitch)
+		}
 		if p.gather {
 			rn = (p.rows-1)*s.Pitch + s.Row
 		} else {

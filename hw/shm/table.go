@@ -43,6 +43,10 @@ import (
 // its slot is reused by another request after its count dropped to 0, so
 // probe chains never break. Words and keys are read and written with
 // atomic 64-bit operations only.
+// TableSuffix names a cache file's grant table: the cache file's path
+// and this suffix. Open refuses a claim whose table is anywhere else.
+const TableSuffix = ".grants"
+
 const (
 	tableMagic   = "KVFLOWGT"
 	tableVersion = 1

@@ -255,7 +255,9 @@ type Limits struct {
 	// longer, read from this worker.
 	TEIdleTimeout Duration `json:"te_idle_timeout"`
 	// TEMaxConns caps the open connections of each transfer-engine port;
-	// TEMaxConnsPerPeer those from one remote address (IPv6: one /64).
+	// TEMaxConnsPerPeer those from one remote address (IPv6: one /64) that
+	// have sent no valid request yet, once the port is half full
+	// (mooncake.TCPConfig.MaxConnsPerPeer).
 	TEMaxConns        int `json:"te_max_conns"`
 	TEMaxConnsPerPeer int `json:"te_max_conns_per_peer"`
 	// FDReserve keeps this many file descriptors free under the soft

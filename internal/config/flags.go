@@ -15,10 +15,10 @@ import (
 func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	kv := &c.KVTransfer
 	ex := &kv.KVConnectorExtraConfig
-	fs.Var(&kvTransferFlag{kv}, "kv-transfer-config", "vLLM's --kv-transfer-config JSON, verbatim (merged into kv_transfer_config)")
-	fs.Var(&roleFlag{&kv.KVRole}, "role", "worker role: prefill|decode (or kv_producer|kv_consumer) (kv_transfer_config.kv_role)")
+	fs.Var(&kvTransferFlag{kv}, "kv-transfer-config", "vLLM's --kv-transfer-config `JSON`, verbatim (merged into kv_transfer_config)")
+	fs.Var(&roleFlag{&kv.KVRole}, "role", "worker `role`: prefill|decode (or kv_producer|kv_consumer) (kv_transfer_config.kv_role)")
 	fs.StringVar(&kv.EngineID, "engine-id", kv.EngineID, "this instance's vLLM engine_id (kv_transfer_config.engine_id)")
-	fs.Var(&kv.KVPort, "kv-port", "base handshake port of the instance (kv_transfer_config.kv_port)")
+	fs.Var(&kv.KVPort, "kv-port", "base handshake `port` of the instance (kv_transfer_config.kv_port)")
 	fs.StringVar(&kv.KVConnector, "kv-connector", kv.KVConnector, "kv_transfer_config.kv_connector (informational)")
 	for _, p := range []struct {
 		name string
@@ -76,7 +76,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.Var(&l.TEFirstByteTimeout, "te-first-byte-timeout", "close a transfer-engine data connection with no request this long after connecting (node.limits.te_first_byte_timeout)")
 	fs.Var(&l.TEIdleTimeout, "te-idle-timeout", "close a transfer-engine data connection idle this long (node.limits.te_idle_timeout)")
 	fs.IntVar(&l.TEMaxConns, "te-max-conns", l.TEMaxConns, "open connections per transfer-engine port (node.limits.te_max_conns)")
-	fs.IntVar(&l.TEMaxConnsPerPeer, "te-max-conns-per-peer", l.TEMaxConnsPerPeer, "open connections per transfer-engine port from one address (node.limits.te_max_conns_per_peer)")
+	fs.IntVar(&l.TEMaxConnsPerPeer, "te-max-conns-per-peer", l.TEMaxConnsPerPeer, "connections per transfer-engine port from one address not yet past a valid first request, capped once the port is half full (node.limits.te_max_conns_per_peer)")
 	fs.IntVar(&l.FDReserve, "fd-reserve", l.FDReserve, "file descriptors kept free for control, side channel and HTTP; 0 = no check (node.limits.fd_reserve)")
 	fs.IntVar(&l.HTTPMaxConns, "http-max-conns", l.HTTPMaxConns, "open connections of the metrics endpoint (node.limits.http_max_conns)")
 

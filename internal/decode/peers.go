@@ -17,12 +17,25 @@ import (
 // (NotifyWorkers) of one peer's requests are in the stage at once, and
 // workers serve the peers in turn, so a slow or wedged prefill rank holds
 // at most its share of the workers and the queue while requests to other
-// ranks go on. The stages' queue capacities still bound all peers together
-// (a full stage blocks its sender, as before).
+// ranks go on. A request beyond its peer's queue is parked (within
+// peers.Config.ReadPark, NotifyPark for all peers together) so that the
+// stage before goes on at once: a request to a healthy rank is not held
+// behind a wedged rank's backlog, and no request fails for it. Beyond the
+// park budget the sender blocks, or, when the peer is stalled (no read or
+// DONE ended well for 8x its recent time, within [50 ms, ReadStall]), the
+// request fails with peer_stalled. The stages' queue capacities still bound
+// the unparked requests of all peers together (a full stage blocks its
+// sender, as before).
 
 // keyed sets sc's peer key and limits when sc is the read or notify stage.
 func keyed(c peers.Config, sc *pipeline.StageConfig[*job.Job]) {
 	half := func(n int) int { return max(1, n/2) }
+	park := func(v, queue int) int {
+		if v == 0 {
+			return 4 * queue
+		}
+		return v // -1: none
+	}
 	pick := func(v, def, limit int) int {
 		if v <= 0 {
 			v = def
@@ -33,10 +46,12 @@ func keyed(c peers.Config, sc *pipeline.StageConfig[*job.Job]) {
 	case "read":
 		sc.KeyWorkers = pick(c.ReadWorkers, max(1, sc.Workers-sc.Workers/4), sc.Workers)
 		sc.KeyQueue = pick(c.ReadQueue, half(sc.Capacity), sc.Capacity)
+		sc.KeyPark = park(c.ReadPark, sc.Capacity)
 		sc.KeyStall = c.ReadStall.D()
 	case "notify":
 		sc.KeyWorkers = pick(c.NotifyWorkers, half(sc.Workers), sc.Workers)
 		sc.KeyQueue = pick(c.NotifyQueue, half(sc.Capacity), sc.Capacity)
+		sc.KeyPark = park(c.NotifyPark, sc.Capacity)
 		sc.KeyStall = c.NotifyStall.D()
 	default:
 		return

@@ -22,7 +22,7 @@ var failureReasons = []string{
 	"peer_restarted", // the prefill rank restarted and lost the request's blocks
 	"short_read",     // the byte ledger showed ops not fully landed
 	"peer_down",      // its prefill peer was marked down (failed in a row; probed until it answers)
-	"peer_stalled",   // its prefill peer's queue was full and none of its reads (DONEs) succeeded for the stall time
+	"peer_stalled",   // its prefill peer's queue and the stage's park budget were full and none of its reads (DONEs) succeeded for the adaptive stall time
 	"too_many_peers", // more distinct prefill peers than peers.max_peers at once
 	"handshake",      // metadata fetch failed (peer down, bad metadata, ...)
 	"read",           // the transfer failed (refused, connection lost, ...)

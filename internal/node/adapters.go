@@ -6,6 +6,8 @@ import (
 	"net"
 	"strconv"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/kvflow/kvflow/hw/mooncake"
 	"github.com/kvflow/kvflow/hw/npu"
 	"github.com/kvflow/kvflow/internal/config"
@@ -27,8 +29,11 @@ func Fetcher(c *sidechannel.Client) handshake.Fetcher { return fetcher{c: c} }
 // FetcherWithCredentials is Fetcher that also hands e the data-plane
 // credential of every GET_META reply (Ext.TEAuth), as a node's decode
 // worker does.
+// Each transfer session keeps the credential of the side-channel endpoint
+// that first named it (see creds.go): another endpoint's reply naming it
+// fails the fetch.
 func FetcherWithCredentials(c *sidechannel.Client, e mooncake.PeerAuthenticator) handshake.Fetcher {
-	return fetcher{c: c, creds: e}
+	return fetcher{c: c, creds: e, owners: newCredOwners(prometheus.NewRegistry(), nil)}
 }
 
 // fetcher turns GET_META replies into job.Meta; with creds, it also hands
@@ -36,9 +41,10 @@ func FetcherWithCredentials(c *sidechannel.Client, e mooncake.PeerAuthenticator)
 // clears it when a reply carries none), so the engine authenticates to
 // exactly the peers that asked for it.
 type fetcher struct {
-	c     *sidechannel.Client
-	creds credentialSetter
-	sh    *sameHost // node.te_backend shm: takes each reply's same-host claim
+	c      *sidechannel.Client
+	creds  credentialSetter
+	owners *credOwners // with creds: the endpoint that first named each session
+	sh     *sameHost   // node.te_backend shm: takes each reply's same-host claim
 }
 
 // credentialSetter is the TCP engine's side of data-plane authentication.
@@ -56,11 +62,14 @@ func (f fetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, error)
 	// requests last: an absurd value from the peer, refused like a bad
 	// fingerprint (the request fails naming it; the metadata is not used).
 	if l := m.Ext.LeaseTTL; l > 0 && l < config.MinLeaseTTL {
+		f.owners.refused("lease_ttl")
 		return job.Meta{}, fmt.Errorf("sidechannel get_meta %s: kvflow.lease_ttl_ms is %d, below the %d a kvflow prefill may advertise (tracker.lease_ttl)",
 			endpoint, l.Milliseconds(), config.MinLeaseTTL.Milliseconds())
 	}
 	if f.creds != nil {
-		f.setCredential(endpoint, m)
+		if err := f.setCredential(endpoint, m); err != nil {
+			return job.Meta{}, err
+		}
 	}
 	if f.sh != nil {
 		f.sh.offer(endpoint, m)
@@ -73,23 +82,34 @@ func (f fetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, error)
 // session "host:te_rpc_port" with endpoint's host (job.Session's rule).
 // A reply with a token for a client without a CURVE key cannot happen (a
 // server sends one only over CURVE); a malformed port is the handshake
-// stage's to refuse.
-func (f fetcher) setCredential(endpoint string, m sidechannel.Metadata) {
+// stage's to refuse. A session another side-channel endpoint named first
+// keeps its credential, and the reply is refused (the error names both).
+func (f fetcher) setCredential(endpoint string, m sidechannel.Metadata) error {
 	host, _, err := net.SplitHostPort(endpoint)
 	if err != nil {
-		return
+		return nil
 	}
 	session := net.JoinHostPort(host, strconv.Itoa(m.TERPCPort))
+	if f.owners != nil {
+		forget, err := f.owners.claim(endpoint, session, m.Ext.TEAuth != nil)
+		if err != nil {
+			return err
+		}
+		for _, s := range forget {
+			_ = f.creds.SetPeerCredential(s, nil)
+		}
+	}
 	var cred *mooncake.Credential
 	if m.Ext.TEAuth != nil {
 		key, err := sidechannel.KeyBytes(f.c.PublicKey())
 		if err != nil {
-			return
+			return nil
 		}
 		cred = &mooncake.Credential{Token: *m.Ext.TEAuth}
 		copy(cred.Key[:], key)
 	}
 	_ = f.creds.SetPeerCredential(session, cred)
+	return nil
 }
 
 // PeerBuffers adapts an engine that lists its peers' registered buffers

@@ -2,6 +2,7 @@ package node
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -9,6 +10,7 @@ import (
 
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/internal/decode"
+	"github.com/kvflow/kvflow/internal/peers"
 	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/sidechannel"
 )
@@ -34,9 +36,10 @@ func fakeSideChannel(t *testing.T, md sidechannel.Metadata, done func(string) er
 	return p
 }
 
-// isolationCluster is a TP 1→1 prefill/decode pair whose decode fails a
-// wedged peer's overflow after stall (read and notify), reads for at most
-// readTimeout and sends DONEs with notify's short test timeouts.
+// isolationCluster is a TP 1→1 prefill/decode pair whose decode bounds a
+// peer's stall by stall (read and notify; the default park budgets), reads
+// for at most readTimeout and sends DONEs with notify's short test
+// timeouts.
 func isolationCluster(t *testing.T, stall, readTimeout time.Duration) *cluster {
 	return startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2)}, func(role string, c *config.Config) {
 		c.Peers.ReadStall = config.Duration(stall)
@@ -47,8 +50,9 @@ func isolationCluster(t *testing.T, stall, readTimeout time.Duration) *cluster {
 
 // results collects decode results by request id.
 type results struct {
-	mu  sync.Mutex
-	got map[string]decode.Result
+	mu    sync.Mutex
+	got   map[string]decode.Result
+	order []string // request ids in the order they ended
 }
 
 func (r *results) drain(t *testing.T, c *cluster, want int, within time.Duration) {
@@ -68,6 +72,7 @@ func (r *results) drain(t *testing.T, c *cluster, want int, within time.Duration
 				t.Errorf("request %s ended twice", res.RequestID)
 			}
 			r.got[res.RequestID] = res
+			r.order = append(r.order, res.RequestID)
 			r.mu.Unlock()
 		case <-deadline:
 			t.Fatalf("%d of %d results within %v", n, want, within)
@@ -90,16 +95,52 @@ func aloneLatency(t *testing.T, c *cluster, id string, block int) time.Duration 
 	return r.Latency
 }
 
+// isolationRatio bounds the healthy request's latency under a wedged peer
+// as a multiple of its latency alone, measured in the same run. Generous:
+// the 150 wedged requests still take CPU (handshakes, connections, and in
+// the DONE test 150 real reads ahead of it in the plan and handshake
+// stages) on a shared 2-core machine: -count=10 gave 0.5-6x (reads) and
+// 7-31x (DONEs); the real figures are logged. Waiting for a stall instead
+// (before parking: the stall time, 100 ms in these tests then, 10 s and
+// 5 s by default) is caught without timing too: it would refuse wedged
+// requests as peer_stalled, or let them end before the healthy one.
+const isolationRatio = 100
+
+// checkIsolated checks what the isolation tests share: the healthy request
+// succeeded, ended before every wedged one (they end only when their reads
+// or DONEs time out), within isolationRatio of its latency alone, and no
+// wedged request was refused as peer_stalled (150 fit in the read and
+// notify stages' worker share, queue share and park budget, so none may
+// be refused however slow the machine).
+func checkIsolated(t *testing.T, res *results, alone time.Duration, reasons map[string]int) {
+	t.Helper()
+	h := res.got["healthy"]
+	if h.Err != nil {
+		t.Fatalf("healthy request: %v", h.Err)
+	}
+	if i := slices.Index(res.order, "healthy"); i != 0 {
+		t.Errorf("healthy request ended #%d, after %v", i, res.order[:i])
+	}
+	if h.Latency > isolationRatio*alone {
+		t.Errorf("healthy request took %v under a wedged peer, %.1fx its %v alone, want <= %dx",
+			h.Latency, float64(h.Latency)/float64(alone), alone, isolationRatio)
+	}
+	if reasons["peer_stalled"] > 0 || reasons["other"] > 0 {
+		t.Errorf("wedged requests refused or failed for other reasons: %v", reasons)
+	}
+}
+
 // TestSlowPeerDoesNotHoldOthers: 150 requests to a wedged prefill rank (its
 // side channel answers, its transfer engine port accepts connections and
 // never answers) and then one to a healthy rank, over real sockets. The
-// wedged rank's requests hold only its share of the read stage; once it
-// is stalled (peers.read_stall) its overflow fails at once instead of
-// holding the stages before read, so the healthy request finishes about
-// as fast as alone plus the stall time; every wedged request fails with a
-// reason (timeout once read.timeout passes, or peer_stalled).
+// wedged rank's requests hold only its share of the read stage's workers
+// and queue; the rest are parked, so the handshake stage goes on at once
+// and the healthy request finishes about as fast as alone, long before the
+// production stall bound (peers.read_stall, 10 s, used here); every wedged
+// request fails with a timeout once read.timeout passes, none is refused.
 func TestSlowPeerDoesNotHoldOthers(t *testing.T) {
-	const stall, readTimeout = 100 * time.Millisecond, 2 * time.Second
+	const readTimeout = 2 * time.Second
+	stall := peers.DefaultConfig().ReadStall.D()
 	c := isolationCluster(t, stall, readTimeout)
 	aloneLatency(t, c, "warm", 1)
 	alone := aloneLatency(t, c, "alone", 2)
@@ -124,19 +165,15 @@ func TestSlowPeerDoesNotHoldOthers(t *testing.T) {
 	}
 	loaded := time.Since(start)
 	res.drain(t, c, 151, 60*time.Second)
-	h := res.got["healthy"]
-	if h.Err != nil {
-		t.Fatalf("healthy request: %v", h.Err)
-	}
 	reasons := map[string]int{}
 	for id, r := range res.got {
 		if id == "healthy" {
 			continue
 		}
-		if r.Err == nil {
-			t.Fatalf("%s: done from a wedged peer", id)
-		}
-		switch msg := r.Err.Error(); {
+		switch msg := fmt.Sprint(r.Err); {
+		case r.Err == nil:
+			reasons["done"]++
+			t.Errorf("%s: done from a wedged peer", id)
 		case strings.Contains(msg, "key stalled"):
 			reasons["peer_stalled"]++
 		case strings.Contains(msg, "deadline exceeded"), strings.Contains(msg, "timeout"):
@@ -146,26 +183,22 @@ func TestSlowPeerDoesNotHoldOthers(t *testing.T) {
 			t.Logf("%s: %v", id, r.Err)
 		}
 	}
-	ratio := float64(h.Latency) / float64(alone)
-	t.Logf("healthy request: %v under 150 wedged (loads took %v), %v alone (%.1fx; stall %v); wedged ended %v",
-		h.Latency.Round(time.Microsecond), loaded.Round(time.Microsecond), alone.Round(time.Microsecond), ratio, stall, reasons)
-	// Generous (shared CI machines): well before any wedged read's own
-	// timeout, which is what the healthy request would wait without
-	// isolation; the real figure is the log line above.
-	if limit := readTimeout / 2; h.Latency > limit {
-		t.Fatalf("healthy request took %v under a wedged peer, want < %v (alone %v, stall %v)", h.Latency, limit, alone, stall)
-	}
-	if reasons["other"] > 0 {
-		t.Fatalf("wedged requests failed for other reasons: %v", reasons)
-	}
+	h := res.got["healthy"]
+	t.Logf("healthy request: %v under 150 wedged (loads took %v), %v alone (%.1fx; stall bound %v); wedged ended %v",
+		h.Latency.Round(time.Microsecond), loaded.Round(time.Microsecond), alone.Round(time.Microsecond),
+		float64(h.Latency)/float64(alone), stall, reasons)
+	checkIsolated(t, res, alone, reasons)
 }
 
 // TestSlowDonePeerDoesNotHoldOthers: the same for DONEs. 150 requests are
 // read from a prefill rank whose transfer engine works but whose side
 // channel never ACKs a DONE (it answered GET_META before); a request to a
-// healthy rank still ends about as fast as alone plus the stall time.
+// healthy rank still ends about as fast as alone, before any of them, and
+// none of them is refused (their DONEs go undelivered once notify's
+// attempts time out, the bytes landed: they end done).
 func TestSlowDonePeerDoesNotHoldOthers(t *testing.T) {
-	const stall, readTimeout = 100 * time.Millisecond, 5 * time.Second
+	const readTimeout = 5 * time.Second
+	stall := peers.DefaultConfig().NotifyStall.D()
 	c := isolationCluster(t, stall, readTimeout)
 	slow := startCluster(t, topo{prefillTP: 1, decodeTP: 1, model: gqa(2)}) // its prefill serves the reads
 	aloneLatency(t, c, "warm", 1)
@@ -194,10 +227,6 @@ func TestSlowDonePeerDoesNotHoldOthers(t *testing.T) {
 		t.Fatal(err)
 	}
 	res.drain(t, c, 151, 60*time.Second)
-	h := res.got["healthy"]
-	if h.Err != nil {
-		t.Fatalf("healthy request: %v", h.Err)
-	}
 	reasons := map[string]int{}
 	for id, r := range res.got {
 		switch {
@@ -211,13 +240,8 @@ func TestSlowDonePeerDoesNotHoldOthers(t *testing.T) {
 			t.Logf("%s: %v", id, r.Err)
 		}
 	}
-	ratio := float64(h.Latency) / float64(alone)
-	t.Logf("healthy request: %v under 150 requests with wedged DONEs, %v alone (%.1fx; stall %v); wedged ended %v",
-		h.Latency.Round(time.Microsecond), alone.Round(time.Microsecond), ratio, stall, reasons)
-	if limit := readTimeout / 2; h.Latency > limit {
-		t.Fatalf("healthy request took %v under a wedged DONE peer, want < %v (alone %v, stall %v)", h.Latency, limit, alone, stall)
-	}
-	if reasons["other"] > 0 {
-		t.Fatalf("wedged requests failed for other reasons: %v", reasons)
-	}
+	h := res.got["healthy"]
+	t.Logf("healthy request: %v under 150 requests with wedged DONEs, %v alone (%.1fx; stall bound %v); wedged ended %v",
+		h.Latency.Round(time.Microsecond), alone.Round(time.Microsecond), float64(h.Latency)/float64(alone), stall, reasons)
+	checkIsolated(t, res, alone, reasons)
 }

@@ -149,7 +149,7 @@ func (n *Node) startDecode(log *slog.Logger, layout npu.Layout) error {
 	}
 	n.Notify = nc
 	fp := Fingerprint(cfg, layout)
-	fetch := fetcher{c: hc}
+	fetch := fetcher{c: hc, owners: newCredOwners(n.deps.Registerer, log)}
 	if a, ok := n.Engine.(mooncake.PeerAuthenticator); ok {
 		fetch.creds = a
 	}

@@ -36,7 +36,11 @@ import (
 // peer is simply on another host), and the peer is read over TCP.
 
 // fallback reasons, the label values of kvflow_shm_fallbacks_total.
-var shmFallbackReasons = []string{"other_host", "mismatch", "owner_gone", "no_local_memory", "error"}
+var shmFallbackReasons = []string{"other_host", "mismatch", "owner_gone", "no_local_memory", "too_large", "conflict", "error"}
+
+// shmMapLimit bounds the bytes of every same-host peer's mapped cache file
+// together (tests shrink it).
+var shmMapLimit = shm.HostMemory
 
 type shmMetrics struct {
 	fallbacks *prometheus.CounterVec
@@ -77,9 +81,11 @@ type sameHost struct {
 // shmPeer is what a session's latest metadata offered: the claim and the
 // reader opened from it (nil: read over the network).
 type shmPeer struct {
-	claim sidechannel.SameHost
-	base  []uint64
-	r     *shm.Reader
+	endpoint string // the side-channel endpoint that first named the session
+	conflict bool   // another endpoint named it too: network only, for good
+	claim    sidechannel.SameHost
+	base     []uint64
+	r        *shm.Reader
 }
 
 func newSameHost(net read.Transfer, d npu.Device, reg prometheus.Registerer, log *slog.Logger) *sameHost {
@@ -119,6 +125,16 @@ func (s *sameHost) Capabilities() read.Capabilities { return s.caps }
 
 // offer takes the metadata a GET_META to endpoint returned: its claim, if
 // any, replaces the session's previous one.
+//
+// The session is endpoint's host with the metadata's te_rpc_port, which
+// the peer names: a hostile side-channel peer on a prefill's host could
+// name that prefill's port, and with a claim of its own have the decode
+// read the prefill's requests from the hostile file. So each session
+// remembers the endpoint that first named it (claim or not); another
+// endpoint naming it, unless with a claim of the very file already
+// mapped, puts the session on the network for good (counted "conflict":
+// which one is the session's prefill cannot be told here; the network
+// path reaches whoever listens on the port).
 func (s *sameHost) offer(endpoint string, m sidechannel.Metadata) {
 	host, _, err := net.SplitHostPort(endpoint)
 	if err != nil {
@@ -128,36 +144,98 @@ func (s *sameHost) offer(endpoint string, m sidechannel.Metadata) {
 	c := m.Ext.SameHost
 	s.mu.Lock()
 	old := s.peers[session]
-	if c == nil {
-		delete(s.peers, session)
+	switch {
+	case old != nil && old.conflict:
 		s.mu.Unlock()
+		return
+	case old != nil && old.endpoint != endpoint:
+		if c != nil && old.r != nil && sameFile(&old.claim, c) {
+			s.mu.Unlock()
+			return // the file already mapped, named through another port
+		}
+		s.peers[session] = &shmPeer{endpoint: old.endpoint, conflict: true}
+		s.mu.Unlock()
+		s.m.fallbacks.WithLabelValues("conflict").Inc()
+		s.log.Warn("same-host: two side-channel endpoints name one transfer session; reading it over the network from now on",
+			"session", session, "first", old.endpoint, "now", endpoint)
 		closeReader(old)
 		return
-	}
-	if old != nil && sameClaim(&old.claim, c) && slices.Equal(old.base, m.KVCachesBaseAddr) {
+	case c == nil:
+		s.peers[session] = &shmPeer{endpoint: endpoint}
+		stale := append(s.evictLocked(session), old)
+		s.mu.Unlock()
+		for _, q := range stale {
+			closeReader(q)
+		}
+		return
+	case old != nil && old.r != nil && sameClaim(&old.claim, c) && slices.Equal(old.base, m.KVCachesBaseAddr):
 		s.mu.Unlock()
 		return
 	}
+	// Every mapped file spends address space: together at most what
+	// this host's memory could hold (real caches live in it), whatever
+	// number of sessions hostile metadata names.
+	var mapped uint64
+	for k, q := range s.peers {
+		if k != session && q.r != nil && !(q.claim.Path == c.Path && q.claim.HostID == c.HostID) {
+			mapped += q.claim.Size
+		}
+	}
 	s.mu.Unlock()
-	p := &shmPeer{claim: *c, base: m.KVCachesBaseAddr}
-	p.r = s.open(session, c, m.KVCachesBaseAddr)
+	p := &shmPeer{endpoint: endpoint, claim: *c, base: m.KVCachesBaseAddr}
+	if lim := shmMapLimit(); mapped > lim || c.Size > lim-mapped {
+		s.m.fallbacks.WithLabelValues("too_large").Inc()
+		s.log.Warn("same-host peer read over the network: its cache file would take the mapped files past this host's memory",
+			"session", session, "path", c.Path, "size", c.Size, "mapped", mapped, "limit", lim)
+	} else {
+		p.r = s.open(session, c, m.KVCachesBaseAddr)
+	}
 	s.mu.Lock()
+	if cur := s.peers[session]; cur != nil && (cur.conflict || cur.endpoint != endpoint) {
+		// Another endpoint named the session meanwhile.
+		s.mu.Unlock()
+		closeReader(p)
+		s.offer(endpoint, m)
+		return
+	}
 	stale := []*shmPeer{s.peers[session]}
 	s.peers[session] = p
 	// The same file under another session is the same prefill rank's
 	// earlier run (restarted on another port): its reader is dead weight.
-	// Past maxShmPeers, drop others too (they are re-opened from the next
-	// GET_META reply that names them).
 	for k, q := range s.peers {
-		if k != session && (q.claim.Path == c.Path && q.claim.HostID == c.HostID || len(s.peers) > maxShmPeers) {
+		if k != session && !q.conflict && q.r != nil && q.claim.Path == c.Path && q.claim.HostID == c.HostID {
 			delete(s.peers, k)
 			stale = append(stale, q)
 		}
 	}
+	stale = append(stale, s.evictLocked(session)...)
 	s.mu.Unlock()
 	for _, q := range stale {
 		closeReader(q)
 	}
+}
+
+// evictLocked drops sessions past maxShmPeers, but session, plain ones
+// (no conflict) first; they are remembered again from the next GET_META
+// reply that names them. s.mu held.
+func (s *sameHost) evictLocked(session string) []*shmPeer {
+	var out []*shmPeer
+	for _, conflicts := range []bool{false, true} {
+		for k, q := range s.peers {
+			if len(s.peers) <= maxShmPeers {
+				return out
+			}
+			if k != session && q.conflict == conflicts {
+				delete(s.peers, k)
+				out = append(out, q)
+			}
+		}
+	}
+	return out
+}
+
+func sameFile(a, b *sidechannel.SameHost) bool {
+	return a.HostID == b.HostID && a.Path == b.Path && a.Dev == b.Dev && a.Ino == b.Ino
 }
 
 // maxShmPeers bounds the sessions sameHost remembers: far above the prefill
@@ -355,7 +433,7 @@ func (g tableGrants) RevokeAll() error {
 // granted for good, as the TCP engine serves every block then.
 func (n *Node) openGrantTable(next prefill.Grants, log *slog.Logger) (prefill.Grants, *sidechannel.SameHost, error) {
 	path := n.Config.CachePath()
-	t, err := shm.CreateTable(path+".grants", n.Shape.NumBlocks, 0)
+	t, err := shm.CreateTable(path+shm.TableSuffix, n.Shape.NumBlocks, 0)
 	if err != nil {
 		return nil, nil, fmt.Errorf("node: te_backend shm: %w", err)
 	}

@@ -23,15 +23,25 @@ type Config struct {
 	// ReadQueue: one peer's requests waiting for the read stage; 0 = half
 	// its queue, so one peer never fills it.
 	ReadQueue int `json:"read_queue"`
-	// ReadStall: a peer none of whose reads succeeded for this long while
-	// some ran is stalled, and its requests beyond ReadQueue fail at once
-	// (reason peer_stalled) instead of holding the stages before read.
-	// 0 = never (they wait).
+	// ReadPark: requests of all peers together that may wait beyond
+	// their peer's ReadQueue (parked: the stage before read goes on at
+	// once, so a slow peer never holds the others); 0 = four times the
+	// read queue, -1 = none. A parked request costs its job record only
+	// (its blocks were allocated by the engine before load).
+	ReadPark int `json:"read_park"`
+	// ReadStall bounds how long a peer's reads may run with none ending
+	// well before the peer is stalled; it is stalled sooner, after eight
+	// times its recent read time (the stage's while it has none; never
+	// under 50 ms). Once the park budget is spent, a stalled peer's
+	// requests beyond ReadQueue fail at once (reason peer_stalled)
+	// instead of holding the stages before read. 0 = never (they wait).
 	ReadStall conf.Duration `json:"read_stall"`
-	// NotifyWorkers, NotifyQueue, NotifyStall: the same for the DONEs (0:
-	// half the notify workers, half its queue; never).
+	// NotifyWorkers, NotifyQueue, NotifyPark, NotifyStall: the same for
+	// the DONEs (0: half the notify workers, half its queue, four times
+	// its queue; never).
 	NotifyWorkers int           `json:"notify_workers"`
 	NotifyQueue   int           `json:"notify_queue"`
+	NotifyPark    int           `json:"notify_park"`
 	NotifyStall   conf.Duration `json:"notify_stall"`
 	// DownAfter failed or timed-out reads or DONEs in a row mark a peer
 	// down: its requests then fail at once (reason peer_down) until a
@@ -47,12 +57,14 @@ func DefaultConfig() Config {
 		// deployment to hundreds: 1024 leaves room for both while a
 		// flood of made-up peers costs at most 1024 small records.
 		MaxPeers: DefaultMaxPeers,
-		// A healthy task moves a few GiB at >= 1 GB/s: seconds. 10 s
-		// without one read ending well is a wedged peer, well before
+		// The bound of the adaptive stall (see ReadStall). A healthy task
+		// moves a few GiB at >= 1 GB/s: seconds. 10 s without one read
+		// ending well is a wedged peer whatever its history, well before
 		// read.timeout (30 s) fails its reads one by one.
 		ReadStall: conf.Duration(10 * time.Second),
-		// A DONE round trip takes a millisecond; 5 s without one ACK is a
-		// peer that no longer answers (a DONE's retries end in 3.3 s).
+		// A DONE round trip takes a millisecond (so the adaptive stall is
+		// its 50 ms floor); 5 s without one ACK is a peer that no longer
+		// answers whatever its history (a DONE's retries end in 3.3 s).
 		NotifyStall:   conf.Duration(5 * time.Second),
 		DownAfter:     DefaultDownAfter,
 		ProbeInterval: conf.Duration(DefaultProbeInterval),
@@ -65,9 +77,11 @@ func (c Config) Validate() error {
 	v.AtLeast("max_peers", c.MaxPeers, 1)
 	v.AtLeast("read_workers", c.ReadWorkers, 0)
 	v.AtLeast("read_queue", c.ReadQueue, 0)
+	v.AtLeast("read_park", c.ReadPark, -1)
 	v.NonNegative("read_stall", c.ReadStall)
 	v.AtLeast("notify_workers", c.NotifyWorkers, 0)
 	v.AtLeast("notify_queue", c.NotifyQueue, 0)
+	v.AtLeast("notify_park", c.NotifyPark, -1)
 	v.NonNegative("notify_stall", c.NotifyStall)
 	v.AtLeast("down_after", c.DownAfter, 1)
 	v.Positive("probe_interval", c.ProbeInterval)
@@ -81,10 +95,12 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet, prefix string) {
 	fs.IntVar(&c.MaxPeers, prefix+"max", c.MaxPeers, "decode: distinct prefill peers queued at once; more are refused"+k("max_peers"))
 	fs.IntVar(&c.ReadWorkers, prefix+"read-workers", c.ReadWorkers, "decode: one peer's requests reading at once, 0 = 3/4 of the read workers"+k("read_workers"))
 	fs.IntVar(&c.ReadQueue, prefix+"read-queue", c.ReadQueue, "decode: one peer's requests waiting to read, 0 = half the read queue"+k("read_queue"))
-	fs.Var(&c.ReadStall, prefix+"read-stall", "decode: a peer with no good read for this long is stalled; its overflow fails at once, 0 = never"+k("read_stall"))
+	fs.IntVar(&c.ReadPark, prefix+"read-park", c.ReadPark, "decode: requests parked beyond their peer's read queue, all peers, 0 = 4x the read queue, -1 = none"+k("read_park"))
+	fs.Var(&c.ReadStall, prefix+"read-stall", "decode: at most this long with no good read (sooner: 8x the peer's read time, >= 50ms) a peer is stalled; its overflow beyond the park fails at once, 0 = never"+k("read_stall"))
 	fs.IntVar(&c.NotifyWorkers, prefix+"notify-workers", c.NotifyWorkers, "decode: one peer's requests in the notify stage at once, 0 = half its workers"+k("notify_workers"))
 	fs.IntVar(&c.NotifyQueue, prefix+"notify-queue", c.NotifyQueue, "decode: one peer's requests waiting to notify, 0 = half the notify queue"+k("notify_queue"))
-	fs.Var(&c.NotifyStall, prefix+"notify-stall", "decode: a peer with no ACK for this long is stalled; its overflow fails at once, 0 = never"+k("notify_stall"))
+	fs.IntVar(&c.NotifyPark, prefix+"notify-park", c.NotifyPark, "decode: requests parked beyond their peer's notify queue, all peers, 0 = 4x the notify queue, -1 = none"+k("notify_park"))
+	fs.Var(&c.NotifyStall, prefix+"notify-stall", "decode: at most this long with no ACK (sooner: 8x the peer's DONE time, >= 50ms) a peer is stalled; its overflow beyond the park fails at once, 0 = never"+k("notify_stall"))
 	fs.IntVar(&c.DownAfter, prefix+"down-after", c.DownAfter, "decode: failed reads or DONEs in a row that mark a peer down"+k("down_after"))
 	fs.Var(&c.ProbeInterval, prefix+"probe-interval", "decode: GET_META probe of a down peer, this often"+k("probe_interval"))
 }

@@ -157,12 +157,23 @@ func (t *Tracker) get(endpoint string, now time.Time) *peer {
 	p := t.peers[endpoint]
 	if p == nil {
 		if len(t.peers) >= t.o.MaxPeers {
-			var oldest string
-			var at time.Time
+			// An idle up peer first; with none, an idle down one (names
+			// come from requests: distinct dead endpoints must not grow
+			// the records without bound). Least recently used first.
+			var oldest, oldestDown string
+			var at, atDown time.Time
 			for ep, q := range t.peers {
-				if q.st.State == Up && q.st.InFlight == 0 && (oldest == "" || q.lastUsed.Before(at)) {
+				switch {
+				case q.st.InFlight != 0:
+				case q.st.State == Up && (oldest == "" || q.lastUsed.Before(at)):
 					oldest, at = ep, q.lastUsed
+				case q.st.State == Down && (oldestDown == "" || q.lastUsed.Before(atDown)):
+					oldestDown, atDown = ep, q.lastUsed
 				}
+			}
+			if oldest == "" && oldestDown != "" {
+				oldest = oldestDown
+				t.nDown--
 			}
 			if oldest != "" {
 				delete(t.peers, oldest)
@@ -273,8 +284,15 @@ func (t *Tracker) Snapshot() []Status {
 	return out
 }
 
-// ServeHTTP serves /debug/peers: {"peers": [Status...]} as JSON.
+// ServeHTTP serves /debug/peers: {"peers": [Status...]} as JSON, empty
+// lists as [] (never null).
 func (t *Tracker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	peers := t.Snapshot()
+	for i := range peers {
+		if peers[i].RecentFailures == nil {
+			peers[i].RecentFailures = []Failure{}
+		}
+	}
 	w.Header().Set("Content-Type", "application/json")
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
@@ -282,7 +300,7 @@ func (t *Tracker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		DownAfter     int      `json:"down_after"`
 		ProbeInterval string   `json:"probe_interval"`
 		Peers         []Status `json:"peers"`
-	}{t.o.DownAfter, t.o.ProbeInterval.String(), t.Snapshot()})
+	}{t.o.DownAfter, t.o.ProbeInterval.String(), peers})
 }
 
 // dueProbes picks down peers not probed for an interval, at most MaxProbes,

@@ -2,7 +2,9 @@ package prefill
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/http"
+	"strconv"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -64,9 +66,27 @@ func (w *Worker) heldPastGauge() prometheus.Collector {
 	}, func() float64 { return float64(w.tr.HeldPast(w.now(), w.heldAge())) })
 }
 
+// DebugKVLimit is how many held requests /debug/kv lists by default
+// (the oldest: the stranded ones); ?limit=N asks for up to
+// DebugKVMaxLimit. "total" always counts every held request. A worker may
+// hold 100k requests: listing them all would be tens of MB per GET.
+const (
+	DebugKVLimit    = 1000
+	DebugKVMaxLimit = 100000
+)
+
 // ServeHTTP serves /debug/kv: the held requests as JSON (durations in
-// seconds), oldest first.
+// seconds), oldest first, at most ?limit= (DebugKVLimit by default).
 func (w *Worker) ServeHTTP(rw http.ResponseWriter, r *http.Request) {
+	limit := DebugKVLimit
+	if v := r.URL.Query().Get("limit"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			http.Error(rw, fmt.Sprintf("/debug/kv: limit %q is not a count", v), http.StatusBadRequest)
+			return
+		}
+		limit = min(n, DebugKVMaxLimit)
+	}
 	type entry struct {
 		RequestID     string   `json:"request_id"`
 		Blocks        int      `json:"blocks"`
@@ -83,8 +103,12 @@ func (w *Worker) ServeHTTP(rw http.ResponseWriter, r *http.Request) {
 	age := w.heldAge()
 	out := struct {
 		HeldAgeAlertS float64 `json:"held_age_alert_s"`
+		Total         int     `json:"total"`
+		Truncated     bool    `json:"truncated,omitempty"`
 		Held          []entry `json:"held"`
-	}{HeldAgeAlertS: age.Seconds(), Held: make([]entry, 0, len(inv))}
+	}{HeldAgeAlertS: age.Seconds(), Total: len(inv), Truncated: len(inv) > limit}
+	inv = inv[:min(len(inv), limit)]
+	out.Held = make([]entry, 0, len(inv))
 	for _, h := range inv {
 		e := entry{RequestID: h.RequestID, Blocks: h.Blocks, AgeS: h.Age.Seconds(), ExpectedDones: h.ExpectedDones,
 			DonesSeen: h.DonesSeen, Leased: h.Leased, Grant: h.Grant, PastAlertAge: h.Age > age}

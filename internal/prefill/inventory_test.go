@@ -2,6 +2,7 @@ package prefill
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/http/httptest"
 	"sync"
 	"testing"
@@ -70,5 +71,46 @@ func TestDebugKV(t *testing.T) {
 	}
 	if n, err := testutil.GatherAndCount(reg, "kvflow_tracker_requests_held_past_age"); err != nil || n != 1 {
 		t.Errorf("gauge registered: %d, %v", n, err)
+	}
+}
+
+// TestDebugKVBounded: with many held requests /debug/kv lists the oldest
+// DebugKVLimit (or ?limit=), says how many are held in all, and refuses
+// a limit that is not a count.
+func TestDebugKVBounded(t *testing.T) {
+	w, err := New(Options{Topology: tp1, Metadata: sidechannel.Metadata{NumBlocks: 64}, Registerer: prometheus.NewRegistry()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const held = DebugKVLimit + 500
+	reqs := make([]SendRequest, held)
+	for i := range reqs {
+		reqs[i] = SendRequest{RequestID: fmt.Sprintf("req-%06d", i), BlockIDs: []int{i % 64}}
+	}
+	w.Send(reqs)
+	for _, tc := range []struct {
+		query string
+		code  int
+		n     int
+	}{{"", 200, DebugKVLimit}, {"?limit=7", 200, 7}, {"?limit=0", 200, 0}, {"?limit=999999999", 200, held}, {"?limit=-1", 400, 0}, {"?limit=x", 400, 0}} {
+		rec := httptest.NewRecorder()
+		w.ServeHTTP(rec, httptest.NewRequest("GET", "/debug/kv"+tc.query, nil))
+		if rec.Code != tc.code {
+			t.Fatalf("%q: status %d, want %d", tc.query, rec.Code, tc.code)
+		}
+		if tc.code != 200 {
+			continue
+		}
+		var body struct {
+			Total     int               `json:"total"`
+			Truncated bool              `json:"truncated"`
+			Held      []json.RawMessage `json:"held"`
+		}
+		if err := json.Unmarshal(rec.Body.Bytes(), &body); err != nil {
+			t.Fatalf("%q: %v", tc.query, err)
+		}
+		if len(body.Held) != tc.n || body.Total != held || body.Truncated != (tc.n < held) {
+			t.Errorf("%q: %d listed, total %d, truncated %v; want %d of %d", tc.query, len(body.Held), body.Total, body.Truncated, tc.n, held)
+		}
 	}
 }

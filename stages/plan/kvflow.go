@@ -71,7 +71,7 @@ func planKvflow(topo Topology, self Rank, req Request) (Plan, error) {
 			return Plan{}, err
 		}
 		if len(ranks) < p*pp {
-			return Plan{}, fmt.Errorf("%d remote ranks chosen, %d tasks needed", len(ranks), p*pp)
+			return Plan{}, fmt.Errorf("%s chosen, %s needed", plural(len(ranks), "remote rank"), plural(p*pp, "task"))
 		}
 		srcs = make([]int, p)
 		for i := range srcs {

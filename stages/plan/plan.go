@@ -253,7 +253,7 @@ func planValid(topo Topology, self Rank, req Request) (Plan, error) {
 		e := entries[0]
 		n := p * pp
 		if len(e.Ports) < n {
-			return Plan{}, fmt.Errorf("%d remote ranks chosen, %d tasks needed", len(e.Ports), n)
+			return Plan{}, fmt.Errorf("%s chosen, %s needed", plural(len(e.Ports), "remote rank"), plural(n, "task"))
 		}
 		pl.Tasks = make([]Task, n)
 		for i := 0; i < n; i++ {

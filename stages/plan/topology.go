@@ -224,6 +224,10 @@ func (t Topology) Validate() error {
 		return errors.Join(errs...)
 	}
 	cp := t.Prefill.pcp()*t.Prefill.dcp()*t.Decode.pcp()*t.Decode.dcp() > 1
+	// tpOK: the TP sizes and the heads fit each other; the rank grouping
+	// derived from them is checked only then (with sizes already refused,
+	// its error would only restate theirs).
+	tpOK := true
 	switch {
 	case ptp < dtp:
 		// kvflow only: each decode rank reads a head slice (GQA) or the
@@ -235,6 +239,7 @@ func (t Topology) Validate() error {
 			add(fmt.Errorf("decode.tp_size: %d is not a multiple of prefill.tp_size %d: a decode rank's heads would span two prefill ranks", dtp, ptp))
 		}
 	case ptp%dtp != 0:
+		tpOK = false
 		add(fmt.Errorf("decode.tp_size: %d does not divide prefill.tp_size %d", dtp, ptp))
 	}
 	if t.Decode.PP > 1 {
@@ -262,6 +267,7 @@ func (t Topology) Validate() error {
 			tp   int
 		}{{"prefill.tp_size", ptp}, {"decode.tp_size", dtp}} {
 			if h%s.tp != 0 && s.tp%h != 0 {
+				tpOK = false
 				add(fmt.Errorf("%s: %d and model.num_key_value_heads %d: neither divides the other", s.name, s.tp, h))
 			}
 		}
@@ -275,7 +281,7 @@ func (t Topology) Validate() error {
 	if cp && t.Prefill.PP > 1 {
 		add(fmt.Errorf("prefill.pp_size: %d with context parallelism (pcp/dcp > 1) is not supported", t.Prefill.PP))
 	}
-	if ptp >= dtp {
+	if ptp >= dtp && tpOK {
 		if err := t.validateGroups(); err != nil {
 			add(err)
 		}
@@ -311,7 +317,7 @@ func (t Topology) validateGroups() error {
 		return nil
 	}
 	if gs := t.Prefill.TP / t.Decode.TP; gs != cfg.P {
-		return fmt.Errorf("model.num_key_value_heads: %d heads give tp_num_need_pulls %d but each decode rank maps to %d prefill ranks", t.Model.NumKVHeads, cfg.P, gs)
+		return fmt.Errorf("model.num_key_value_heads: %d heads give tp_num_need_pulls %d but each decode rank maps to %s", t.Model.NumKVHeads, cfg.P, plural(gs, "prefill rank"))
 	}
 	return nil
 }
@@ -373,3 +379,11 @@ func (t Topology) checkPrefillRank(self Rank) error {
 
 // trimSpace is Python's str.strip() for the ASCII whitespace int() accepts.
 func trimSpace(s string) string { return strings.Trim(s, " \t\n\r\v\f") }
+
+// plural is "1 noun" or "n nouns".
+func plural(n int, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return fmt.Sprintf("%d %ss", n, noun)
+}

@@ -47,7 +47,7 @@ def free_port_base(n, host="127.0.0.1", tries=200):
 
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(tries):
-        base = rng.randrange(20000, 60000 - n)
+        base = rng.randrange(10000, 30000 - n)  # below the ephemeral range (32768+), where the OS picks ports for :0 binds and outgoing connections
         socks = []
         try:
             for p in range(base, base + n):

@@ -2,17 +2,21 @@
 
 Mooncake's own Python engine (TCP transport, P2PHANDSHAKE) reads from a
 kvflow target: one op per size with transfer_sync_read, then one batch of
-128 ops with batch_transfer_sync_read. With the connection pool off
-(Mooncake's default) every op is a new connection. Prints the SHA-256 of
-the bytes read, in op order, for the Go test to compare.
+BATCH_COUNT ops with batch_transfer_sync_read, run by THREADS threads at
+once (default 1), each into its own copy. With the connection pool off
+(Mooncake's default) every op is a new connection, and a batch's are
+opened all at once. Prints the SHA-256 of the bytes read, in op order
+(the sizes, then the first thread's batch), for the Go test to compare;
+exits non-zero when another thread's copy differs from the first's.
 
-usage: stock_initiator.py SESSION REMOTE_ADDR SIZES BATCH_BLOCK BATCH_COUNT
+usage: stock_initiator.py SESSION REMOTE_ADDR SIZES BATCH_BLOCK BATCH_COUNT [THREADS]
 """
 
 import ctypes
 import hashlib
 import mmap
 import sys
+import threading
 
 from mooncake.engine import TransferEngine
 
@@ -21,7 +25,9 @@ def main():
     session, remote = sys.argv[1], int(sys.argv[2])
     sizes = [int(s) for s in sys.argv[3].split(",")]
     block, count = int(sys.argv[4]), int(sys.argv[5])
-    total = sum(sizes) + block * count
+    threads = int(sys.argv[6]) if len(sys.argv) > 6 else 1
+    head = sum(sizes)
+    total = head + threads * block * count
     buf = mmap.mmap(-1, total)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     engine = TransferEngine()
@@ -34,11 +40,28 @@ def main():
         if engine.transfer_sync_read(session, addr + off, remote + off, n) != 0:
             sys.exit(f"transfer_sync_read of {n} bytes failed")
         off += n
-    bufs = [addr + off + i * block for i in range(count)]
-    peers = [remote + off + i * block for i in range(count)]
-    if engine.batch_transfer_sync_read(session, bufs, peers, [block] * count) != 0:
-        sys.exit("batch_transfer_sync_read failed")
-    print(hashlib.sha256(buf[:total]).hexdigest())
+    peers = [remote + head + i * block for i in range(count)]
+    failed = []
+
+    def read(t):
+        base = addr + head + t * block * count
+        bufs = [base + i * block for i in range(count)]
+        if engine.batch_transfer_sync_read(session, bufs, peers, [block] * count) != 0:
+            failed.append(t)
+
+    workers = [threading.Thread(target=read, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if failed:
+        sys.exit(f"batch_transfer_sync_read of {count} ops failed in threads {sorted(failed)}")
+    first = buf[head:head + block * count]
+    for t in range(1, threads):
+        start = head + t * block * count
+        if buf[start:start + block * count] != first:
+            sys.exit(f"thread {t} read other bytes than thread 0")
+    print(hashlib.sha256(buf[:head + block * count]).hexdigest())
     sys.stdout.flush()
 
 

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvflow/kvflow/hw/npu"
 	"github.com/kvflow/kvflow/internal/cli/clierr"
+	"github.com/kvflow/kvflow/internal/cli/flaghelp"
 	"github.com/kvflow/kvflow/internal/config"
 	"github.com/kvflow/kvflow/stages/plan"
 )
@@ -36,8 +37,8 @@ type options struct {
 
 func (o *options) register(fs *flag.FlagSet) {
 	fs.StringVar(&o.requestID, "request-id", "", "request id (decides the rank choice); required")
-	fs.Var(&o.local, "local-blocks", `decode-side block ids, e.g. "0,1,2" or "0-127"; required ("" = full prefix hit)`)
-	fs.Var(&o.remote, "remote-blocks", "prefill-side block ids (default: the local blocks)")
+	fs.Var(&o.local, "local-blocks", `decode-side block `+"`ids`"+`, e.g. "0,1,2" or "0-127"; required ("" = full prefix hit)`)
+	fs.Var(&o.remote, "remote-blocks", "prefill-side block `ids` (default: the local blocks)")
 	fs.IntVar(&o.remotePort, "remote-port", 0, "prefill replica's side-channel base port, kv_transfer_params.remote_port (default: kv_port of a prefill configuration)")
 	fs.StringVar(&o.remoteHost, "remote-host", "", "prefill host (default: node.side_channel_host of a prefill configuration, else 127.0.0.1)")
 	fs.StringVar(&o.remoteEngineID, "remote-engine-id", "", "prefill engine id (default: engine_id of a prefill configuration)")
@@ -83,13 +84,26 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	return writeTable(stdout, rep)
 }
 
+// planFlags are plan's own flags, configFlags the configuration's that
+// change a plan (every other serve flag is accepted and ignored), both in
+// the order -h lists them.
+var (
+	planFlags   = []string{"request-id", "local-blocks", "remote-blocks", "remote-port", "remote-host", "remote-engine-id", "remote-pcp", "remote-dcp", "decode-rank", "json"}
+	configFlags = []string{config.ConfigFlag, "kv-transfer-config", "role", "engine-id", "kv-port", "side-channel-host",
+		"prefill-tp", "prefill-dp", "prefill-pp", "prefill-pcp", "prefill-dcp",
+		"decode-tp", "decode-dp", "decode-pp", "decode-pcp", "decode-dcp",
+		"layers", "kv-heads", "head-dim", "block-size", "dtype", "num-blocks",
+		"mla", "kv-lora-rank", "qk-rope-head-dim", "sparse", "indexer-dim", "pp-layer-partition", "decode-pp-layer-partition"}
+)
+
 func printUsage(fs *flag.FlagSet, w io.Writer) {
 	fmt.Fprint(w, "usage: kvflow plan [--config FILE] [config flags] --request-id ID --local-blocks IDS [--remote-blocks IDS] [--remote-port N] [--decode-rank N] [--json]\n\n"+
 		"Validates the P/D configuration and prints, for every decode rank, the tasks of one request:\n"+
 		"remote ranks, handshake ports, layers, head slot, op count and bytes.\n\nflags:\n")
-	fs.SetOutput(w)
-	fs.PrintDefaults()
-	fs.SetOutput(io.Discard)
+	flaghelp.Print(w, fs, planFlags...)
+	fmt.Fprint(w, "\nconfiguration (flags override --config FILE):\n")
+	flaghelp.Print(w, fs, configFlags...)
+	fmt.Fprint(w, "\nThe other flags of 'kvflow serve' are accepted and do not change the plan (kvflow serve -h).\n")
 }
 
 // report is the printed plan (the JSON form of --json).

@@ -25,11 +25,11 @@ func writeTable(w io.Writer, rep *report) error {
 	fmt.Fprintf(tw, "decode\ttp %d, pp %d, dp %d, pcp %d, dcp %d\n", d.TP, d.PP, d.DP, d.PCP, d.DCP)
 	heads := ""
 	if rep.Model.NumKVHeads > 0 {
-		heads = fmt.Sprintf(", %d kv heads", rep.Model.NumKVHeads)
+		heads = ", " + plural(rep.Model.NumKVHeads, "kv head")
 	}
-	fmt.Fprintf(tw, "model\t%s, %d layers%s, decode block_len %s\n", rep.Model.Kind, rep.Model.NumLayers, heads, ints(rep.Model.BlockLen))
+	fmt.Fprintf(tw, "model\t%s, %s%s, decode block_len %s\n", rep.Model.Kind, plural(rep.Model.NumLayers, "layer"), heads, ints(rep.Model.BlockLen))
 	fmt.Fprintf(tw, "mode\t%s, tp_num_need_pulls %d, stitch %s\n", rep.Mode, rep.P, yesNo(rep.Stitch))
-	fmt.Fprintf(tw, "total\t%d decode ranks, %d ops, %s\n", len(rep.Ranks), rep.Ops, humanBytes(rep.Bytes))
+	fmt.Fprintf(tw, "total\t%s, %s, %s\n", plural(len(rep.Ranks), "decode rank"), plural(rep.Ops, "op"), humanBytes(rep.Bytes))
 	tw.Flush()
 	if rep.KvflowOnly {
 		fmt.Fprintf(ew, "kvflow-only topology: the prefill instance must be kvflow (a seed peer is refused)\n")
@@ -39,8 +39,8 @@ func writeTable(w io.Writer, rep *report) error {
 		if rep.Decode.PP > 1 {
 			pp = fmt.Sprintf("pp %d, ", r.PP)
 		}
-		fmt.Fprintf(ew, "\ndecode rank %d (tp %d, %spcp %d, dcp %d): remote ranks %s, handshake ports %s, %d tasks, %d ops, %s\n",
-			r.Index, r.TP, pp, r.PCP, r.DCP, ints(r.RemoteRanks), ints(r.HandshakePorts), len(r.Tasks), r.Ops, humanBytes(r.Bytes))
+		fmt.Fprintf(ew, "\ndecode rank %d (tp %d, %spcp %d, dcp %d): remote ranks %s, handshake ports %s, %s, %s, %s\n",
+			r.Index, r.TP, pp, r.PCP, r.DCP, ints(r.RemoteRanks), ints(r.HandshakePorts), plural(len(r.Tasks), "task"), plural(r.Ops, "op"), humanBytes(r.Bytes))
 		tw := tabwriter.NewWriter(ew, 0, 0, 2, ' ', tabwriter.AlignRight)
 		slice := ""
 		if rep.KvflowOnly {
@@ -81,6 +81,14 @@ func ints(v []int) string {
 	return "[" + strings.Join(s, " ") + "]"
 }
 
+// plural is "1 noun" or "n nouns".
+func plural(n int, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return fmt.Sprintf("%d %ss", n, noun)
+}
+
 func yesNo(b bool) string {
 	if b {
 		return "yes"
@@ -91,6 +99,9 @@ func yesNo(b bool) string {
 // humanBytes is "N bytes" with a binary-unit gloss from 1 KiB on.
 func humanBytes(n uint64) string {
 	units := []string{"KiB", "MiB", "GiB", "TiB"}
+	if n == 1 {
+		return "1 byte"
+	}
 	if n < 1024 {
 		return fmt.Sprintf("%d bytes", n)
 	}

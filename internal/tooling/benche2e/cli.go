@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvflow/kvflow/internal/cli/clierr"
+	"github.com/kvflow/kvflow/internal/cli/flaghelp"
 	"github.com/kvflow/kvflow/internal/config"
 )
 
@@ -61,17 +62,21 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	asJSON := fs.Bool("json", false, "print JSON instead of tables")
 	verbose := fs.Bool("v", false, "log the workers at info level (in-process: to stderr; processes: to their logs in the work dir)")
 	inProcess := fs.Bool("in-process", false, "run the workers in this process (node.Start per rank) instead of as kvflow serve processes")
-	exe := fs.String("exe", "", "the kvflow `binary` the workers run as \"kvflow serve\" (default: this executable)")
+	exe := fs.String("exe", "", "`path` of the kvflow binary the workers run as \"kvflow serve\" (default: this executable; not with --in-process)")
 	netemSpec := fs.String("netem", "", `shape the link between prefill and decode, e.g. "delay 1ms": each side in its own network namespace (root, iproute2; kernel netem, else a netfilter-queue delay (iptables), else a userspace delay relay); process mode only`)
 	netemMode := fs.String("netem-mode", "auto", "how --netem delays: auto, kernel (tc netem), queue (iptables NFQUEUE, verdicts from this process) or relay (userspace delay relay)")
 	plotPath := fs.String("plot", "", "also draw per-stage latency and throughput to this SVG file")
 	teBackend := fs.String("te-backend", config.BackendTCP, "the workers' node.te_backend: tcp, or mooncake (Mooncake's engine over its tcp transport; a kvflow built with -tags mooncake)")
 	if err := clierr.ParseFlags(fs, args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			fmt.Fprint(stdout, "usage: kvflow bench e2e [flags]\n\nflags:\n")
-			fs.SetOutput(stdout)
-			fs.PrintDefaults()
-			fs.SetOutput(io.Discard)
+			fmt.Fprint(stdout, "usage: kvflow bench e2e [flags]\n\n"+
+				"Runs kvflow's pipeline and a serial baseline on the same prefill and decode workers (loopback) and prints the figures.\n\n"+
+				"what to run:\n")
+			flaghelp.Print(stdout, fs, "workload", "requests", "blocks", "short", "interval", "prefill-tp", "decode-tp", "layers", "max-mem-gib", "mode", "rounds", "raw-mib", "verify", "timeout")
+			fmt.Fprint(stdout, "\nworkers:\n")
+			flaghelp.Print(stdout, fs, "in-process", "exe", "te-backend", "netem", "netem-mode", "v")
+			fmt.Fprint(stdout, "\noutput:\n")
+			flaghelp.Print(stdout, fs, "json", "plot")
 		}
 		return err
 	}

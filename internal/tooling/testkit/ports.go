@@ -10,7 +10,7 @@ const PortAttempts = 8
 
 // The window test ports are drawn from: [PortLow, PortHigh). It ends below
 // Linux's default ephemeral range (net.ipv4.ip_local_port_range, 32768–60999),
-// with 2768 ports to spare for the offsets tests add to a drawn port (the
+// from which the OS also hands out :0 binds, with 2768 ports to spare for the offsets tests add to a drawn port (the
 // decode side's kv_port+1000, one port per rank). A port inside the
 // ephemeral range can be taken at any moment by the local end of an
 // outgoing connection — one of the test's own, or another process's on a
@@ -19,7 +19,7 @@ const PortAttempts = 8
 // only another test that drew the same port can collide, which a retry
 // (OnFreePort) absorbs.
 const (
-	PortLow  = 20000
+	PortLow  = 10000
 	PortHigh = 30000
 )
 

@@ -116,12 +116,13 @@ func ShmDir(prefix, fallback string) (string, error) {
 }
 
 // FreePorts finds n consecutive free TCP ports on loopback, in
-// [20000, 30000): below Linux's default ephemeral range (32768–60999), so
-// that between this check and the worker's bind the local end of some
-// outgoing connection cannot take one (with room for a +1000 offset).
+// [10000, 30000): below Linux's default ephemeral range (32768–60999), so
+// that between this check and the worker's bind neither a :0 bind nor the
+// local end of an outgoing connection can take one (with room for a +1000
+// offset).
 func FreePorts(n int) (int, error) {
 	for range 50 {
-		base := 20000 + rand.IntN(10000-n)
+		base := 10000 + rand.IntN(20000-n)
 		ok := true
 		var ls []net.Listener
 		for i := range n {

@@ -42,7 +42,7 @@ func TestStart(t *testing.T) {
 		}
 		return cfgs
 	}, func(int) node.Deps { return node.Deps{} })
-	if len(ns) != 2 || port < 20000 {
+	if len(ns) != 2 || port < 10000 {
 		t.Fatalf("%d nodes on port %d", len(ns), port)
 	}
 	for r, n := range ns {
