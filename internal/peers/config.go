@@ -37,7 +37,7 @@ type Config struct {
 	// instead of holding the stages before read. 0 = never (they wait).
 	ReadStall conf.Duration `json:"read_stall"`
 	// NotifyWorkers, NotifyQueue, NotifyPark, NotifyStall: the same for
-	// the DONEs (0: half the notify workers, half its queue, four times
+	// the DONEs (0: all the notify workers but 1 in 16, half its queue, four times
 	// its queue; never).
 	NotifyWorkers int           `json:"notify_workers"`
 	NotifyQueue   int           `json:"notify_queue"`
@@ -93,11 +93,11 @@ func (c Config) Validate() error {
 func (c *Config) RegisterFlags(fs *flag.FlagSet, prefix string) {
 	k := func(key string) string { return " (" + conf.Key(prefix, key) + ")" }
 	fs.IntVar(&c.MaxPeers, prefix+"max", c.MaxPeers, "decode: distinct prefill peers queued at once; more are refused"+k("max_peers"))
-	fs.IntVar(&c.ReadWorkers, prefix+"read-workers", c.ReadWorkers, "decode: one peer's requests reading at once, 0 = 3/4 of the read workers"+k("read_workers"))
+	fs.IntVar(&c.ReadWorkers, prefix+"read-workers", c.ReadWorkers, "decode: one peer's requests reading at once, 0 = all read workers but 1 in 16 (at least 1)"+k("read_workers"))
 	fs.IntVar(&c.ReadQueue, prefix+"read-queue", c.ReadQueue, "decode: one peer's requests waiting to read, 0 = half the read queue"+k("read_queue"))
 	fs.IntVar(&c.ReadPark, prefix+"read-park", c.ReadPark, "decode: requests parked beyond their peer's read queue, all peers, 0 = 4x the read queue, -1 = none"+k("read_park"))
 	fs.Var(&c.ReadStall, prefix+"read-stall", "decode: at most this long with no good read (sooner: 8x the peer's read time, >= 50ms) a peer is stalled; its overflow beyond the park fails at once, 0 = never"+k("read_stall"))
-	fs.IntVar(&c.NotifyWorkers, prefix+"notify-workers", c.NotifyWorkers, "decode: one peer's requests in the notify stage at once, 0 = half its workers"+k("notify_workers"))
+	fs.IntVar(&c.NotifyWorkers, prefix+"notify-workers", c.NotifyWorkers, "decode: one peer's requests in the notify stage at once, 0 = all its workers but 1 in 16 (at least 1)"+k("notify_workers"))
 	fs.IntVar(&c.NotifyQueue, prefix+"notify-queue", c.NotifyQueue, "decode: one peer's requests waiting to notify, 0 = half the notify queue"+k("notify_queue"))
 	fs.IntVar(&c.NotifyPark, prefix+"notify-park", c.NotifyPark, "decode: requests parked beyond their peer's notify queue, all peers, 0 = 4x the notify queue, -1 = none"+k("notify_park"))
 	fs.Var(&c.NotifyStall, prefix+"notify-stall", "decode: at most this long with no ACK (sooner: 8x the peer's DONE time, >= 50ms) a peer is stalled; its overflow beyond the park fails at once, 0 = never"+k("notify_stall"))
