@@ -307,7 +307,8 @@ func (e *TCPEngine) refuse(c net.Conn, port, reason string) {
 }
 
 // acceptLoop accepts pc's connections: each is admitted (descriptor
-// reserve, then caps) or refused, and served on its own goroutine.
+// reserve, then caps) or refused, and served on its own goroutine (the
+// one that accepted it, having started the next acceptor).
 func (e *TCPEngine) acceptLoop(ln net.Listener, pc *portConns, serve func(net.Conn, *admission)) {
 	defer e.wg.Done()
 	var backoff time.Duration
@@ -348,10 +349,17 @@ func (e *TCPEngine) acceptLoop(ln net.Listener, pc *portConns, serve func(net.Co
 			e.refuse(c, pc.name, reason)
 			continue
 		}
-		go func() {
-			defer e.untrack(c, a)
-			serve(c, a)
-		}()
+		// Leader/follower: a fresh goroutine takes over accepting and
+		// this one serves c at once. With Mooncake's default initiator (a
+		// new connection per request) the request is then served without
+		// a handoff to a new goroutine, which another P would steal after
+		// a spin (BenchmarkOneShotRead, bench/mooncake-target.sh). One
+		// goroutine accepts at any time.
+		e.wg.Add(1)
+		go e.acceptLoop(ln, pc, serve)
+		serve(c, a)
+		e.untrack(c, a)
+		return
 	}
 }
 
