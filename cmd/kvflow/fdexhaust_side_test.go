@@ -1,11 +1,8 @@
 package main
 
 import (
-	"bufio"
 	"fmt"
 	"net"
-	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -47,43 +44,8 @@ func TestServeSideChannelFDExhaustion(t *testing.T) {
 	cfg.Node.Control = "ipc://" + filepath.Join(dir, "p.sock")
 	cfg.Node.MetricsAddr = "127.0.0.1:0"
 	cfg.Cache.NoHugePages = true
-	cfgPath := filepath.Join(dir, "p.json")
-	f, err := os.Create(cfgPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.Print(f)
-	f.Close()
-	exe, _ := os.Executable()
-	cmd := exec.Command("/bin/sh", "-c", fmt.Sprintf(`ulimit -n %d && exec "$0" "$@"`, exhaustLimit),
-		exe, "serve", "--config", cfgPath, "--log-format", "json")
-	var stderr lockedBuffer
-	cmd.Stderr = &stderr
-	out, _ := cmd.StdoutPipe()
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	ready := make(chan string, 1)
-	go func() {
-		sc := bufio.NewScanner(out)
-		for sc.Scan() {
-			select {
-			case ready <- sc.Text():
-			default:
-			}
-		}
-		exited <- cmd.Wait()
-	}()
-	t.Cleanup(func() { cmd.Process.Kill() })
-	var line string
-	select {
-	case line = <-ready:
-	case err := <-exited:
-		t.Fatalf("worker exited before ready: %v\n%s", err, stderr.String())
-	case <-time.After(20 * time.Second):
-		t.Fatalf("worker not ready:\n%s", stderr.String())
-	}
+	w := startLimitedWorker(t, cfg, dir)
+	cmd, line, exited, stderr := w.cmd, w.line, w.exited, w.stderr
 	metricsAddr := regexp.MustCompile(`metrics=(\S+)`).FindStringSubmatch(line)[1]
 	sideChannel := fmt.Sprintf("127.0.0.1:%d", kvPort)
 	getMeta(t, sideChannel)

@@ -63,46 +63,8 @@ func TestServeDataPortFDExhaustion(t *testing.T) {
 	// The peer reads raw cache memory without a send: grants off (this
 	// test is about descriptors, not about which blocks are served).
 	cfg.Read.Grants = config.GrantsOff
-	cfgPath := filepath.Join(dir, "p.json")
-	f, err := os.Create(cfgPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.Print(f)
-	f.Close()
-
-	// sh's ulimit sets the soft and hard limits, then execs the worker
-	// (the PID stays the worker's).
-	exe, _ := os.Executable()
-	cmd := exec.Command("/bin/sh", "-c", fmt.Sprintf(`ulimit -n %d && exec "$0" "$@"`, exhaustLimit),
-		exe, "serve", "--config", cfgPath, "--log-format", "json")
-	var stderr lockedBuffer
-	cmd.Stderr = &stderr
-	out, _ := cmd.StdoutPipe()
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	ready := make(chan string, 1)
-	go func() {
-		sc := bufio.NewScanner(out)
-		for sc.Scan() {
-			select {
-			case ready <- sc.Text():
-			default:
-			}
-		}
-		exited <- cmd.Wait()
-	}()
-	t.Cleanup(func() { cmd.Process.Kill() })
-	var line string
-	select {
-	case line = <-ready:
-	case err := <-exited:
-		t.Fatalf("worker exited before ready: %v\n%s", err, stderr.String())
-	case <-time.After(20 * time.Second):
-		t.Fatalf("worker not ready:\n%s", stderr.String())
-	}
+	w := startLimitedWorker(t, cfg, dir)
+	cmd, line, exited, stderr := w.cmd, w.line, w.exited, w.stderr
 	field := func(name string) string {
 		m := regexp.MustCompile(name + `=(\S+)`).FindStringSubmatch(line)
 		if m == nil {
@@ -329,3 +291,53 @@ func httpGet(t *testing.T, url string) string {
 }
 
 func tail(s string, n int) string { return s[max(0, len(s)-n):] }
+
+// limitedWorker is a `kvflow serve` of cfg started under `ulimit -n
+// exhaustLimit` (sh sets the soft and hard limits, then execs the worker,
+// so the PID stays the worker's), once it printed its ready line.
+type limitedWorker struct {
+	cmd    *exec.Cmd
+	line   string     // the ready line
+	exited chan error // the worker's exit, once
+	stderr *lockedBuffer
+}
+
+func startLimitedWorker(t *testing.T, cfg config.Config, dir string) *limitedWorker {
+	t.Helper()
+	cfgPath := filepath.Join(dir, "p.json")
+	f, err := os.Create(cfgPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Print(f)
+	f.Close()
+	exe, _ := os.Executable()
+	w := &limitedWorker{exited: make(chan error, 1), stderr: &lockedBuffer{}}
+	w.cmd = exec.Command("/bin/sh", "-c", fmt.Sprintf(`ulimit -n %d && exec "$0" "$@"`, exhaustLimit),
+		exe, "serve", "--config", cfgPath, "--log-format", "json")
+	w.cmd.Stderr = w.stderr
+	out, _ := w.cmd.StdoutPipe()
+	if err := w.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	ready := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			select {
+			case ready <- sc.Text():
+			default:
+			}
+		}
+		w.exited <- w.cmd.Wait()
+	}()
+	t.Cleanup(func() { w.cmd.Process.Kill() })
+	select {
+	case w.line = <-ready:
+	case err := <-w.exited:
+		t.Fatalf("worker exited before ready: %v\n%s", err, w.stderr.String())
+	case <-time.After(20 * time.Second):
+		t.Fatalf("worker not ready:\n%s", w.stderr.String())
+	}
+	return w
+}
