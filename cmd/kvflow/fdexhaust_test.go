@@ -74,6 +74,11 @@ func TestServeDataPortFDExhaustion(t *testing.T) {
 	}
 	session, metricsAddr := field("te_session"), field("metrics")
 	sideChannel := "127.0.0.1:" + field("handshake_port")
+	// The worker logs before its ready line, but exec copies its stderr
+	// through a pipe on another goroutine: wait for the start-up lines.
+	for deadline := time.Now().Add(10 * time.Second); !(strings.Contains(stderr.String(), "read.grants=off") && strings.Contains(stderr.String(), `"soft":1024`)) && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+	}
 	if !strings.Contains(stderr.String(), `"soft":1024,"hard":1024`) {
 		t.Errorf("worker did not log its open files limit 1024/1024:\n%s", stderr.String())
 	}
