@@ -124,8 +124,8 @@ func (c Config) validateBackend(v *validator) {
 			"15000..17000 by default); set 0 (the metadata advertises the port it took)", n.TEPort)
 	}
 	if n.TEDataPort != 0 {
-		v.add("node.te_data_port", "%d: Mooncake's engine picks its own data port (its tcp transport in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, "+
-			"its rdma and ascend transports have none); set 0, or use te_backend %s or %s to fix it", n.TEDataPort, BackendTCP, BackendShm)
+		v.add("node.te_data_port", "%d: Mooncake's engine picks its own data port (its tcp transport takes one in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, "+
+			"and its C API takes none); set 0, or use te_backend %s or %s to fix it", n.TEDataPort, BackendTCP, BackendShm)
 	}
 	if c.Role() == Prefill && c.Read.Grants == GrantsOn {
 		v.add("read.grants", "on needs node.te_backend %s: Mooncake's engine serves every registered byte to any peer "+
