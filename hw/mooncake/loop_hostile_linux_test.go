@@ -1,0 +1,269 @@
+//go:build linux
+
+package mooncake
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"os"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+)
+
+// An adversarial review of the data port's event loop (loop_linux.go):
+// every test runs over real loopback sockets, most of them against the
+// event loop and the goroutine path (NoEventLoop) alike, and checks that
+// the engine's counts come back to zero afterwards.
+
+// loopEngines starts one engine with the event loop and one without, with
+// the same configuration, and registers n bytes of the same pattern in
+// each (the answers then compare byte for byte).
+type loopPair struct {
+	name string
+	srv  *TCPEngine
+	mem  []byte
+}
+
+func loopEngines(t *testing.T, cfg TCPConfig, n int) []loopPair {
+	t.Helper()
+	var out []loopPair
+	for _, noLoop := range []bool{false, true} {
+		c := cfg
+		c.NoEventLoop = noLoop
+		srv, _ := newEngine(t, c)
+		if (srv.loop == nil) != noLoop {
+			t.Fatalf("NoEventLoop %v: loop %v", noLoop, srv.loop != nil)
+		}
+		name := "loop"
+		if noLoop {
+			name = "goroutines"
+		}
+		out = append(out, loopPair{name, srv, register(t, srv, n, 11)})
+	}
+	return out
+}
+
+// settled waits until the engine holds no data connection in any count:
+// the port total and pending map, the engine's open count, the target
+// connections gauge.
+func settled(t *testing.T, srv *TCPEngine) {
+	t.Helper()
+	state := func() string {
+		srv.mu.Lock()
+		total, pending := srv.dataConns.total, len(srv.dataConns.pending)
+		srv.mu.Unlock()
+		return fmt.Sprintf("port total %d, pending addresses %d, open %d, target gauge %v",
+			total, pending, srv.open.Load(), testutil.ToFloat64(srv.m.targetConns))
+	}
+	const zero = "port total 0, pending addresses 0, open 0, target gauge 0"
+	for deadline := time.Now().Add(10 * time.Second); state() != zero; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("counts not back to zero: %s", state())
+		}
+	}
+}
+
+// exchange writes segs on a fresh connection (pausing after each segment
+// when pause is set, so they arrive apart), half-closes it and returns
+// what the target sent until it closed.
+func exchange(t *testing.T, addr string, segs [][]byte, pause bool) []byte {
+	t.Helper()
+	c := dialFrom(t, "127.0.0.1", addr)
+	c.SetDeadline(time.Now().Add(30 * time.Second))
+	got := make(chan []byte, 1)
+	go func() {
+		out, _ := io.ReadAll(c)
+		got <- out
+	}()
+	for _, s := range segs {
+		if _, err := c.Write(s); err != nil {
+			break // refused: the target may reset what follows
+		}
+		if pause {
+			time.Sleep(time.Millisecond) // separate segments (not asserted on)
+		}
+	}
+	c.(*net.TCPConn).CloseWrite()
+	out := <-got
+	c.Close()
+	return out
+}
+
+// answer is what a served READ sends back.
+func answer(mem []byte, off, n int, v2 bool) []byte {
+	var out []byte
+	if v2 {
+		out = statusBytes(StatusOK)
+	}
+	return append(out, mem[off:off+n]...)
+}
+
+// TestEventLoopSplitAtEveryByte: two requests, sent in two segments split
+// at every byte of them (both in one segment, a header in pieces, a header
+// and part of the next), v1 and v2: both paths answer every byte, in order.
+func TestEventLoopSplitAtEveryByte(t *testing.T) {
+	engines := loopEngines(t, testConfig(), 1<<20)
+	for _, v2 := range []bool{false, true} {
+		for k := 1; k < 2*HeaderSize; k++ {
+			for _, en := range engines {
+				b := AddrOf(en.mem)
+				in := append(readHeader(b+3, 100, v2), readHeader(b+5000, 70000, v2)...)
+				want := append(answer(en.mem, 3, 100, v2), answer(en.mem, 5000, 70000, v2)...)
+				out := exchange(t, dataAddr(en.srv), [][]byte{in[:k], in[k:]}, true)
+				if !bytes.Equal(out, want) {
+					t.Fatalf("%s v2=%v split at %d: %d bytes %x…, want %d", en.name, v2, k, len(out), head(out), len(want))
+				}
+			}
+		}
+	}
+	for _, en := range engines {
+		settled(t, en.srv)
+	}
+}
+
+// TestEventLoopRandomSequences: random sequences of reads (v1 and v2, one
+// byte to a few chunks, sometimes a refused request last), cut into random
+// segments, some sent one request at a time and waiting for each answer:
+// the event loop answers exactly as the goroutine path does.
+func TestEventLoopRandomSequences(t *testing.T) {
+	cfg := testConfig()
+	cfg.ChunkSize = 64 << 10 // answers of several chunks
+	const size = 4 << 20
+	engines := loopEngines(t, cfg, size)
+	rnd := rand.New(rand.NewPCG(7, 9))
+	for iter := range 200 {
+		type req struct{ off, n int }
+		var reqs []req
+		var hdrs [][]byte
+		v2 := rnd.IntN(2) == 0
+		for range 1 + rnd.IntN(6) {
+			n := 1 + rnd.IntN(1<<rnd.IntN(19))
+			off := rnd.IntN(size - n)
+			reqs = append(reqs, req{off, n})
+		}
+		bad := rnd.IntN(4) // 0: an unregistered read last; 1: garbage last
+		garbage := bytes.Repeat([]byte{0xa5}, 1+rnd.IntN(40))
+		oneByOne := rnd.IntN(3) == 0
+		cuts := rnd.Perm(64)[:rnd.IntN(4)]
+		var outs [2][]byte
+		for i, en := range engines {
+			b := AddrOf(en.mem)
+			hdrs = hdrs[:0]
+			for _, r := range reqs {
+				hdrs = append(hdrs, readHeader(b+uint64(r.off), uint64(r.n), v2))
+			}
+			switch bad {
+			case 0:
+				hdrs = append(hdrs, readHeader(b+size+4096, 10, v2))
+			case 1:
+				hdrs = append(hdrs, garbage)
+			}
+			if oneByOne {
+				// Mooncake's initiator with its pool on: a request, its
+				// whole answer, the next request on the same connection.
+				c := dialFrom(t, "127.0.0.1", dataAddr(en.srv))
+				c.SetDeadline(time.Now().Add(30 * time.Second))
+				var out []byte
+				for j, r := range reqs {
+					if _, err := c.Write(hdrs[j]); err != nil {
+						t.Fatal(err)
+					}
+					got := make([]byte, len(answer(en.mem, r.off, r.n, v2)))
+					if _, err := io.ReadFull(c, got); err != nil {
+						t.Fatalf("%s iter %d request %d: %v", en.name, iter, j, err)
+					}
+					out = append(out, got...)
+				}
+				if bad < 2 {
+					c.Write(hdrs[len(hdrs)-1])
+				}
+				c.(*net.TCPConn).CloseWrite()
+				rest, _ := io.ReadAll(c)
+				c.Close()
+				outs[i] = append(out, rest...)
+				continue
+			}
+			all := bytes.Join(hdrs, nil)
+			var segs [][]byte
+			prev := 0
+			for _, k := range cuts {
+				if k > prev && k < len(all) {
+					segs = append(segs, all[prev:k])
+					prev = k
+				}
+			}
+			segs = append(segs, all[prev:])
+			outs[i] = exchange(t, dataAddr(en.srv), segs, true)
+		}
+		if !bytes.Equal(outs[0], outs[1]) {
+			t.Fatalf("iter %d (v2 %v, %d requests, bad %d, one by one %v): loop %d bytes %x…, goroutines %d bytes %x…",
+				iter, v2, len(reqs), bad, oneByOne, len(outs[0]), head(outs[0]), len(outs[1]), head(outs[1]))
+		}
+		if bad >= 2 {
+			var want []byte
+			for _, r := range reqs {
+				want = append(want, answer(engines[0].mem, r.off, r.n, v2)...)
+			}
+			if !bytes.Equal(outs[0], want) {
+				t.Fatalf("iter %d: %d bytes, want %d", iter, len(outs[0]), len(want))
+			}
+		}
+	}
+	for _, en := range engines {
+		settled(t, en.srv)
+	}
+}
+
+// TestEventLoopHeaderTrickle: once a header starts, the rest of it must
+// arrive within IOTimeout (serveData sets one deadline for the whole
+// rest). A peer that trickles a header a byte at a time, each byte well
+// within IOTimeout of the last but the whole far beyond it, is closed
+// before the header is whole, on both paths.
+func TestEventLoopHeaderTrickle(t *testing.T) {
+	cfg := testConfig()
+	cfg.IOTimeout = 300 * time.Millisecond
+	cfg.FirstByteTimeout = time.Minute
+	cfg.IdleTimeout = time.Second // a served answer, then the target closes
+	for _, en := range loopEngines(t, cfg, 1<<16) {
+		t.Run(en.name, func(t *testing.T) {
+			c := dialFrom(t, "127.0.0.1", dataAddr(en.srv))
+			c.SetReadDeadline(time.Now().Add(30 * time.Second))
+			got := make(chan []byte, 1)
+			go func() {
+				out, _ := io.ReadAll(c)
+				got <- out
+			}()
+			h := readHeader(AddrOf(en.mem), 100, true)
+			var out []byte
+		trickle:
+			for i := range h {
+				if _, err := c.Write(h[i : i+1]); err != nil {
+					break
+				}
+				// A third of IOTimeout between bytes: 8 IOTimeouts in all.
+				select {
+				case out = <-got:
+					break trickle
+				case <-time.After(cfg.IOTimeout / 3):
+				}
+			}
+			if out == nil {
+				out = <-got
+			}
+			if len(out) > 0 {
+				t.Fatalf("a header trickled over %v (IOTimeout %v) was served: %d bytes", time.Duration(HeaderSize)*cfg.IOTimeout/3, cfg.IOTimeout, len(out))
+			}
+			settled(t, en.srv)
+		})
+	}
+}
+
+var _, _, _, _ = errors.New, os.Getpid, sync.Once{}, syscall.Close
