@@ -479,6 +479,15 @@ func (l *eventLoop) waitRead(c *lconn) {
 	cfg := &l.e.cfg
 	switch {
 	case c.got > 0:
+		if c.events == syscall.EPOLLIN && c.timer >= 0 && c.timeoutWhy == "" {
+			// Keep the deadline set at the header's first piece: the
+			// whole rest of it within IOTimeout, as serveData reads it
+			// (not IOTimeout per piece: a peer trickling a header a
+			// byte at a time would hold the connection 24 times as
+			// long).
+			l.watch(c, syscall.EPOLLIN)
+			return
+		}
 		l.wait(c, syscall.EPOLLIN, cfg.IOTimeout, "")
 	case c.served == 0:
 		if c.events == syscall.EPOLLIN && c.timer >= 0 {
