@@ -4,14 +4,14 @@ package mooncake
 
 import (
 	"bytes"
-	"errors"
+
 	"fmt"
 	"io"
 	"math/rand/v2"
 	"net"
-	"os"
+
 	"sync"
-	"syscall"
+
 	"testing"
 	"time"
 
@@ -266,4 +266,248 @@ func TestEventLoopHeaderTrickle(t *testing.T) {
 	}
 }
 
-var _, _, _, _ = errors.New, os.Getpid, sync.Once{}, syscall.Close
+// stalledRead sends a v2 READ of n bytes at addr on a fresh connection
+// with a small receive buffer (64 KiB: a tiny one makes the kernel crawl
+// on zero windows once the test reads) and reads its status frame: the
+// answer has started, and stays in flight while the test does not read
+// (when n is well over the target's send buffer, at most 4 MiB).
+func stalledRead(t *testing.T, srv *TCPEngine, addr, n uint64) net.Conn {
+	t.Helper()
+	c := dialFrom(t, "127.0.0.1", dataAddr(srv))
+	c.(*net.TCPConn).SetReadBuffer(64 << 10)
+	c.SetDeadline(time.Now().Add(30 * time.Second))
+	if _, err := c.Write(readHeader(addr, n, true)); err != nil {
+		t.Fatal(err)
+	}
+	st := make([]byte, StatusSize)
+	if _, err := io.ReadFull(c, st); err != nil || !bytes.Equal(st, statusBytes(StatusOK)) {
+		t.Fatalf("status %x, %v", st, err)
+	}
+	return c
+}
+
+// TestEventLoopUnregisterWaitsForPin: Unregister of a region a v2 READ is
+// still answering from waits until the answer is written (the region may
+// be unmapped as soon as Unregister returns), on both paths; the answer
+// is whole and right.
+func TestEventLoopUnregisterWaitsForPin(t *testing.T) {
+	const size = 64 << 20 // far more than both sockets' buffers hold
+	for _, en := range loopEngines(t, testConfig(), size) {
+		t.Run(en.name, func(t *testing.T) {
+			c := stalledRead(t, en.srv, AddrOf(en.mem), size)
+			unregistered := make(chan error, 1)
+			go func() { unregistered <- en.srv.Unregister(AddrOf(en.mem)) }()
+			got := make([]byte, size)
+			if _, err := io.ReadFull(c, got[:8<<20]); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case err := <-unregistered:
+				t.Fatalf("Unregister returned (%v) with at least %d MiB of the answer unwritten", err, (size-8<<20-8<<20)>>20)
+			default:
+			}
+			if _, err := io.ReadFull(c, got[8<<20:]); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(got, en.mem) {
+				t.Fatal("answer differs from the region")
+			}
+			select {
+			case err := <-unregistered:
+				if err != nil {
+					t.Fatal(err)
+				}
+			case <-time.After(20 * time.Second):
+				t.Fatal("Unregister still waits after the whole answer was read")
+			}
+			c.Close()
+			settled(t, en.srv)
+		})
+	}
+}
+
+// TestEventLoopUnregisterRace: one-shot reads race with Unregister; once
+// Unregister returns the test overwrites the region. Every answer is
+// either refused or the region's bytes from before: never a byte written
+// after Unregister returned.
+func TestEventLoopUnregisterRace(t *testing.T) {
+	const size = 256 << 10
+	for _, en := range loopEngines(t, testConfig(), 1<<12) {
+		t.Run(en.name, func(t *testing.T) {
+			for round := range 30 {
+				mem := mmap(t, size)
+				for i := range mem {
+					mem[i] = byte(i*13) ^ byte(round)
+				}
+				orig := append([]byte(nil), mem...)
+				if err := en.srv.Register(AddrOf(mem), size, ""); err != nil {
+					t.Fatal(err)
+				}
+				var wg sync.WaitGroup
+				stop := make(chan struct{})
+				errs := make(chan error, 8)
+				for w := range 4 {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						rnd := rand.New(rand.NewPCG(uint64(round), uint64(w)))
+						for {
+							select {
+							case <-stop:
+								return
+							default:
+							}
+							n := 1 + rnd.IntN(size/2)
+							off := rnd.IntN(size - n)
+							c, err := net.Dial("tcp", dataAddr(en.srv))
+							if err != nil {
+								errs <- err
+								return
+							}
+							c.SetDeadline(time.Now().Add(20 * time.Second))
+							c.Write(readHeader(AddrOf(mem)+uint64(off), uint64(n), true))
+							c.(*net.TCPConn).CloseWrite()
+							out, _ := io.ReadAll(c)
+							c.Close()
+							switch {
+							case len(out) == StatusSize+n && bytes.Equal(out[:StatusSize], statusBytes(StatusOK)):
+								if !bytes.Equal(out[StatusSize:], orig[off:off+n]) {
+									errs <- fmt.Errorf("round %d: an answer of %d bytes at %d carries bytes written after Unregister returned", round, n, off)
+									return
+								}
+							case bytes.Equal(out, statusBytes(StatusRejected)):
+							default:
+								errs <- fmt.Errorf("round %d: %d bytes back for a read of %d: %x…", round, len(out), n, head(out))
+								return
+							}
+						}
+					}()
+				}
+				time.Sleep(time.Duration(round%5) * time.Millisecond) // (not asserted on)
+				if err := en.srv.Unregister(AddrOf(mem)); err != nil {
+					t.Fatal(err)
+				}
+				for i := range mem {
+					mem[i] = 0xee
+				}
+				time.Sleep(2 * time.Millisecond) // let requests in flight meet the new bytes (not asserted on)
+				close(stop)
+				wg.Wait()
+				select {
+				case err := <-errs:
+					t.Fatal(err)
+				default:
+				}
+			}
+			settled(t, en.srv)
+		})
+	}
+}
+
+// holdCuts returns the cut functions of the grant holds in flight, by
+// hold id.
+func holdCuts(srv *TCPEngine) map[uint64]func() {
+	srv.grants.mu.Lock()
+	defer srv.grants.mu.Unlock()
+	cuts := map[uint64]func(){}
+	for id, h := range srv.grants.holds {
+		cuts[id] = h.cut
+	}
+	return cuts
+}
+
+// TestEventLoopStaleCut: a grant cut that arrives after the answer it was
+// for finished (the revoke's timer fired as the answer ended) must not
+// reset the next answer on the same connection, nor an answer on a later
+// connection the loop serves with the same bookkeeping (its lconn reused)
+// or the same descriptor number; the cut of the answer in flight resets
+// it.
+func TestEventLoopStaleCut(t *testing.T) {
+	cfg := testConfig()
+	cfg.ReadGrants = true
+	cfg.IOTimeout = time.Minute
+	srv, _ := newEngine(t, cfg)
+	const size = 16 << 20
+	mem := register(t, srv, size, 3)
+	base := AddrOf(mem)
+	if err := srv.Grant(Range{Addr: base, Length: size}); err != nil {
+		t.Fatal(err)
+	}
+	oneCut := func() func() {
+		t.Helper()
+		var cut func()
+		waitFor(t, func() bool {
+			cuts := holdCuts(srv)
+			for _, c := range cuts {
+				cut = c
+			}
+			return len(cuts) == 1
+		})
+		return cut
+	}
+	readAll := func(c net.Conn, want []byte) {
+		t.Helper()
+		got := make([]byte, len(want))
+		if _, err := io.ReadFull(c, got); err != nil {
+			t.Fatalf("answer after a stale cut: %v", err)
+		}
+		if !bytes.Equal(got, want) {
+			t.Fatal("answer differs")
+		}
+	}
+	// applied waits until the loop has applied every cut asked so far: a
+	// sentinel connection's own (live) cut, asked after them, reset it.
+	applied := func() {
+		t.Helper()
+		before := holdCuts(srv)
+		s := stalledRead(t, srv, base, size)
+		var cut func()
+		waitFor(t, func() bool {
+			for id, c := range holdCuts(srv) {
+				if before[id] == nil {
+					cut = c
+				}
+			}
+			return cut != nil
+		})
+		cut()
+		if _, err := io.Copy(io.Discard, s); err == nil {
+			t.Fatal("sentinel: a live cut did not reset its connection")
+		}
+		s.Close()
+	}
+
+	c := stalledRead(t, srv, base, size)
+	cut1 := oneCut()
+	readAll(c, mem)
+	waitFor(t, func() bool { return len(holdCuts(srv)) == 0 })
+	// The next request on the same connection; then the first one's cut.
+	if _, err := c.Write(readHeader(base+1, size-1, true)); err != nil {
+		t.Fatal(err)
+	}
+	readAll(c, statusBytes(StatusOK))
+	cut2 := oneCut()
+	cut1()
+	applied()
+	readAll(c, mem[1:])
+	c.Close()
+	waitFor(t, func() bool { return srv.portOpen(srv.dataConns) == 0 })
+	// A later connection: stale cuts of both earlier answers.
+	d := stalledRead(t, srv, base+2, size-2)
+	live := oneCut()
+	cut1()
+	cut2()
+	applied()
+	readAll(d, mem[2:])
+	// And the cut of an answer in flight resets it.
+	if _, err := d.Write(readHeader(base, size, true)); err != nil {
+		t.Fatal(err)
+	}
+	readAll(d, statusBytes(StatusOK))
+	live() // stale too: d's previous answer
+	oneCut()()
+	if n, err := io.Copy(io.Discard, d); err == nil || n >= size {
+		t.Fatalf("live cut: read %d then %v, want a reset", n, err)
+	}
+	settled(t, srv)
+}
