@@ -9,6 +9,8 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
+	"runtime"
+	"syscall"
 
 	"sync"
 
@@ -510,4 +512,223 @@ func TestEventLoopStaleCut(t *testing.T) {
 		t.Fatalf("live cut: read %d then %v, want a reset", n, err)
 	}
 	settled(t, srv)
+}
+
+// canaries holds descriptors the test opened (pipes) while an engine opens
+// and closes sockets: a descriptor number closed twice, or used after it
+// was closed, by the engine shows as a canary closed or replaced under
+// the test.
+type canaries struct {
+	fds  []int
+	inos []uint64
+}
+
+func (k *canaries) check() error {
+	for i, fd := range k.fds {
+		var st syscall.Stat_t
+		if err := syscall.Fstat(fd, &st); err != nil || st.Ino != k.inos[i] {
+			return fmt.Errorf("canary descriptor %d (inode %d) closed or replaced under the test: %v, inode %d", fd, k.inos[i], err, st.Ino)
+		}
+	}
+	return nil
+}
+
+// churn opens a pipe, checks every canary, and keeps at most 16 of them.
+func (k *canaries) churn() error {
+	if err := k.check(); err != nil {
+		return err
+	}
+	var p [2]int
+	if err := syscall.Pipe2(p[:], syscall.O_CLOEXEC); err != nil {
+		return nil // EMFILE and the like: nothing to watch this turn
+	}
+	for _, fd := range p {
+		var st syscall.Stat_t
+		if err := syscall.Fstat(fd, &st); err != nil {
+			return fmt.Errorf("fstat of a fresh pipe: %w", err)
+		}
+		k.fds, k.inos = append(k.fds, fd), append(k.inos, st.Ino)
+	}
+	for len(k.fds) > 16 {
+		syscall.Close(k.fds[0])
+		k.fds, k.inos = k.fds[1:], k.inos[1:]
+	}
+	return nil
+}
+
+func (k *canaries) close() {
+	for _, fd := range k.fds {
+		syscall.Close(fd)
+	}
+	k.fds, k.inos = nil, nil
+}
+
+// hostileClient plays one random peer against addr until stop: one-shot
+// reads, pipelined ones (handed over), silent and half-header connections,
+// answers abandoned with a reset, idle connections. Errors are expected
+// (the engine closes under it) and ignored.
+func hostileClient(addr string, base, size uint64, seed uint64, stop <-chan struct{}) {
+	rnd := rand.New(rand.NewPCG(seed, 99))
+	var idle []net.Conn
+	defer func() {
+		for _, c := range idle {
+			c.Close()
+		}
+	}()
+	for {
+		select {
+		case <-stop:
+			return
+		default:
+		}
+		c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+		if err != nil {
+			time.Sleep(time.Millisecond)
+			continue
+		}
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		n := 1 + uint64(rnd.IntN(1<<rnd.IntN(23)))
+		off := uint64(rnd.Int64N(int64(size - n)))
+		v2 := rnd.IntN(2) == 0
+		switch rnd.IntN(7) {
+		case 0, 1: // one-shot read
+			c.Write(readHeader(base+off, n, v2))
+			c.(*net.TCPConn).CloseWrite()
+			io.Copy(io.Discard, c)
+		case 2: // pipelined: handed over
+			c.Write(append(readHeader(base+off, n, v2), readHeader(base, 10, v2)...))
+			c.(*net.TCPConn).CloseWrite()
+			io.Copy(io.Discard, c)
+		case 3: // silent, then gone
+			time.Sleep(time.Duration(rnd.IntN(3)) * time.Millisecond)
+		case 4: // half a header, then gone
+			c.Write(readHeader(base+off, n, v2)[:1+rnd.IntN(HeaderSize-1)])
+		case 5: // a large answer abandoned with a reset
+			c.(*net.TCPConn).SetReadBuffer(64 << 10)
+			c.Write(readHeader(base, size, true))
+			io.CopyN(io.Discard, c, int64(rnd.IntN(1<<20)))
+			c.(*net.TCPConn).SetLinger(0)
+		case 6: // served, then idle until the end
+			c.Write(readHeader(base+off, n, v2))
+			if v2 {
+				n += StatusSize
+			}
+			io.CopyN(io.Discard, c, int64(n))
+			idle = append(idle, c)
+			continue
+		}
+		c.Close()
+	}
+}
+
+// TestEventLoopCloseRace: Close while peers connect, get answers, are
+// handed over, abandon answers, idle, and while revokes cut answers in
+// flight. Close returns, every count is back to zero, no goroutine and no
+// descriptor is left, and no descriptor the test itself holds is closed
+// or replaced under it.
+func TestEventLoopCloseRace(t *testing.T) {
+	fds0, err := countFDs()
+	if err != nil {
+		t.Skipf("cannot count descriptors: %v", err)
+	}
+	base := runtime.NumGoroutine()
+	const size = 8 << 20
+	mem := mmap(t, size)
+	for i := range mem {
+		mem[i] = byte(i)
+	}
+	var k canaries
+	defer k.close()
+	var reads, handoffs, cuts float64
+	for round := range 12 {
+		cfg := testConfig()
+		cfg.FirstByteTimeout, cfg.IOTimeout, cfg.IdleTimeout = 30*time.Millisecond, 60*time.Millisecond, 60*time.Millisecond
+		cfg.ReadGrants = true
+		cfg.RevokeGrace = time.Millisecond
+		cfg.NoEventLoop = round%4 == 3 // the goroutine path, for comparison
+		srv, err := NewTCPEngine(cfg, nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := srv.Register(AddrOf(mem), size, ""); err != nil {
+			t.Fatal(err)
+		}
+		// The upper half stays granted; the lower half is granted and
+		// revoked over and over (revokes cut the answers still on it).
+		lower, upper := Range{Addr: AddrOf(mem), Length: size / 2}, Range{Addr: AddrOf(mem) + size/2, Length: size / 2}
+		srv.Grant(upper)
+		stop := make(chan struct{})
+		var wg sync.WaitGroup
+		for w := range 6 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				hostileClient(dataAddr(srv), AddrOf(mem), size, uint64(round*10+w), stop)
+			}()
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				srv.Grant(lower)
+				time.Sleep(time.Millisecond)
+				srv.RevokeAsync(lower)
+			}
+		}()
+		canaryErr := make(chan error, 1)
+		canaryStop := make(chan struct{})
+		go func() {
+			for {
+				select {
+				case <-canaryStop:
+					canaryErr <- k.check()
+					return
+				default:
+				}
+				if err := k.churn(); err != nil {
+					canaryErr <- err
+					return
+				}
+				runtime.Gosched()
+			}
+		}()
+		time.Sleep(time.Duration(20+round*7) * time.Millisecond) // (not asserted on)
+		closed := make(chan struct{})
+		go func() { srv.Close(); close(closed) }()
+		select {
+		case <-closed:
+		case <-time.After(30 * time.Second):
+			t.Fatalf("round %d: Close did not return", round)
+		}
+		close(stop)
+		wg.Wait()
+		close(canaryStop)
+		if err := <-canaryErr; err != nil {
+			t.Fatalf("round %d: %v", round, err)
+		}
+		settled(t, srv)
+		reads += testutil.ToFloat64(srv.m.serveReadOps)
+		handoffs += testutil.ToFloat64(srv.m.loopHandoffs)
+		cuts += testutil.ToFloat64(srv.m.grantCuts)
+		if n := srv.grants.pendingRevokes(); n != 0 {
+			t.Errorf("round %d: %d revokes still wait for answers after Close", round, n)
+		}
+	}
+	t.Logf("%v reads served, %v connections handed over, %v answers cut", reads, handoffs, cuts)
+	k.close()
+	checkGoroutines(t, base)
+	var fds int
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if fds, _ = countFDs(); fds <= fds0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d descriptors open after every engine closed, %d before", fds, fds0)
+		}
+	}
 }
