@@ -732,3 +732,123 @@ func TestEventLoopCloseRace(t *testing.T) {
 		}
 	}
 }
+
+// TestEventLoopAccounting: after each way a connection can end (timeouts
+// for a first byte, idleness, a partial header and a stalled answer; peer
+// resets; refusals by the caps and the descriptor reserve), every count is
+// back to zero and the outcome is counted as on the goroutine path.
+func TestEventLoopAccounting(t *testing.T) {
+	var rl syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl); err != nil {
+		t.Fatal(err)
+	}
+	timedOut := func(why string) func(*TCPEngine) float64 {
+		return func(srv *TCPEngine) float64 {
+			return testutil.ToFloat64(srv.m.connTimedOut.WithLabelValues(portData, why))
+		}
+	}
+	refused := func(why string) func(*TCPEngine) float64 {
+		return func(srv *TCPEngine) float64 {
+			return testutil.ToFloat64(srv.m.connRefused.WithLabelValues(portData, why))
+		}
+	}
+	reset := func(c net.Conn) {
+		c.(*net.TCPConn).SetLinger(0)
+		c.Close()
+	}
+	cases := []struct {
+		name    string
+		cfg     func(*TCPConfig)
+		run     func(t *testing.T, srv *TCPEngine, mem []byte)
+		counter func(*TCPEngine) float64 // counts the outcome once (nil: none)
+	}{
+		{"first byte timeout", nil, func(t *testing.T, srv *TCPEngine, _ []byte) {
+			closedByServer(t, dialFrom(t, "127.0.0.1", dataAddr(srv)))
+		}, timedOut(timeoutFirstByte)},
+		{"idle timeout", nil, func(t *testing.T, srv *TCPEngine, mem []byte) {
+			c := dialFrom(t, "127.0.0.1", dataAddr(srv))
+			c.Write(readHeader(AddrOf(mem), 4096, true))
+			c.SetReadDeadline(time.Now().Add(20 * time.Second))
+			if _, err := io.ReadFull(c, make([]byte, StatusSize+4096)); err != nil {
+				t.Fatal(err)
+			}
+			closedByServer(t, c)
+		}, timedOut(timeoutIdle)},
+		{"partial header timeout", nil, func(t *testing.T, srv *TCPEngine, mem []byte) {
+			c := dialFrom(t, "127.0.0.1", dataAddr(srv))
+			c.Write(readHeader(AddrOf(mem), 4096, true)[:10])
+			closedByServer(t, c)
+		}, nil},
+		{"partial second header timeout", nil, func(t *testing.T, srv *TCPEngine, mem []byte) {
+			c := dialFrom(t, "127.0.0.1", dataAddr(srv))
+			c.Write(readHeader(AddrOf(mem), 4096, false))
+			c.SetReadDeadline(time.Now().Add(20 * time.Second))
+			if _, err := io.ReadFull(c, make([]byte, 4096)); err != nil {
+				t.Fatal(err)
+			}
+			c.Write(readHeader(AddrOf(mem), 4096, false)[:23])
+			closedByServer(t, c)
+		}, nil},
+		{"stalled answer timeout", nil, func(t *testing.T, srv *TCPEngine, mem []byte) {
+			stalledRead(t, srv, AddrOf(mem), uint64(len(mem)))
+			waitFor(t, func() bool { return srv.portOpen(srv.dataConns) == 0 })
+		}, nil},
+		{"reset before a header", nil, func(t *testing.T, srv *TCPEngine, _ []byte) {
+			c := dialFrom(t, "127.0.0.1", dataAddr(srv))
+			waitFor(t, func() bool { return srv.portOpen(srv.dataConns) == 1 })
+			reset(c)
+		}, nil},
+		{"reset in a header", nil, func(t *testing.T, srv *TCPEngine, mem []byte) {
+			c := dialFrom(t, "127.0.0.1", dataAddr(srv))
+			c.Write(readHeader(AddrOf(mem), 10, true)[:7])
+			waitFor(t, func() bool { return srv.portOpen(srv.dataConns) == 1 })
+			reset(c)
+		}, nil},
+		{"reset in an answer", nil, func(t *testing.T, srv *TCPEngine, mem []byte) {
+			reset(stalledRead(t, srv, AddrOf(mem), uint64(len(mem))))
+		}, nil},
+		{"reset after a handover", nil, func(t *testing.T, srv *TCPEngine, mem []byte) {
+			c := stalledRead(t, srv, AddrOf(mem), uint64(len(mem)))
+			c.Write(append(readHeader(AddrOf(mem), 10, true), readHeader(AddrOf(mem), 10, true)...))
+			reset(c)
+		}, nil},
+		{"total cap", func(c *TCPConfig) { c.MaxConns, c.MaxConnsPerPeer = 2, 2 }, func(t *testing.T, srv *TCPEngine, _ []byte) {
+			dialFrom(t, "127.0.0.1", dataAddr(srv))
+			dialFrom(t, "127.0.0.2", dataAddr(srv))
+			waitFor(t, func() bool { return srv.portOpen(srv.dataConns) == 2 })
+			refusedAt(t, "127.0.0.3", dataAddr(srv))
+		}, refused(refusedTotalCap)},
+		{"peer cap", func(c *TCPConfig) { c.MaxConns, c.MaxConnsPerPeer = 4, 1 }, func(t *testing.T, srv *TCPEngine, _ []byte) {
+			dialFrom(t, "127.0.0.1", dataAddr(srv))
+			dialFrom(t, "127.0.0.1", dataAddr(srv))
+			waitFor(t, func() bool { return srv.portOpen(srv.dataConns) == 2 })
+			refusedAt(t, "127.0.0.1", dataAddr(srv))
+		}, refused(refusedPeerCap)},
+		{"descriptor reserve", func(c *TCPConfig) {
+			n, _ := countFDs()
+			c.FDReserve = int(min(rl.Cur, 1<<30)) - n + 10
+		}, func(t *testing.T, srv *TCPEngine, _ []byte) {
+			refusedAt(t, "127.0.0.1", dataAddr(srv))
+		}, refused(refusedFDReserve)},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := testConfig()
+			cfg.FirstByteTimeout, cfg.IdleTimeout, cfg.IOTimeout = 100*time.Millisecond, 100*time.Millisecond, 200*time.Millisecond
+			if tc.cfg != nil {
+				tc.cfg(&cfg)
+			}
+			for _, en := range loopEngines(t, cfg, 16<<20) {
+				tc.run(t, en.srv, en.mem)
+				settled(t, en.srv)
+				if tc.counter != nil {
+					if n := tc.counter(en.srv); n != 1 {
+						t.Errorf("%s: counted %v times, want 1", en.name, n)
+					}
+				}
+				en.srv.Close()
+				settled(t, en.srv)
+			}
+		})
+	}
+}
