@@ -13,6 +13,7 @@ import (
 	"syscall"
 
 	"sync"
+	"sync/atomic"
 
 	"testing"
 	"time"
@@ -849,6 +850,144 @@ func TestEventLoopAccounting(t *testing.T) {
 				en.srv.Close()
 				settled(t, en.srv)
 			}
+		})
+	}
+}
+
+// TestEventLoopFastReaderShares: a peer reading a 1 GiB answer as fast as
+// it can does not hold the event loop while others wait: a connection
+// whose header is already in the kernel is accepted while the big answer
+// moves on by a few chunks (the socket buffers and a turn or two of the
+// loop), not by hundreds of MiB. A bound in bytes, not in time, measured
+// from the small read's header written to the loop accepting its
+// connection (loopAcceptHook): every delay of the test's own goroutines
+// only shrinks it. On the goroutine path, to the small answer's arrival.
+func TestEventLoopFastReaderShares(t *testing.T) {
+	const big = 1 << 30
+	var got atomic.Int64        // the big answer's bytes read so far
+	var acceptedAt atomic.Int64 // got when the loop last accepted
+	loopAcceptHook = func(int) { acceptedAt.Store(got.Load()) }
+	t.Cleanup(func() { loopAcceptHook = nil })
+	cfg := testConfig()
+	cfg.IOTimeout = 30 * time.Second
+	for _, en := range loopEngines(t, cfg, 1<<16) {
+		t.Run(en.name, func(t *testing.T) {
+			got.Store(0)
+			mem := mmap(t, big) // never written: the kernel reads zero pages
+			if err := en.srv.Register(AddrOf(mem), big, ""); err != nil {
+				t.Fatal(err)
+			}
+			a := dialFrom(t, "127.0.0.1", dataAddr(en.srv))
+			// A fixed receive buffer (no autotuning to 32 MiB): what a
+			// reader drains while the target writes nothing stays small.
+			a.(*net.TCPConn).SetReadBuffer(1 << 20)
+			a.SetDeadline(time.Now().Add(60 * time.Second))
+			if _, err := a.Write(readHeader(AddrOf(mem), big, true)); err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan error, 1)
+			go func() {
+				buf := make([]byte, 4<<20)
+				for got.Load() < big+StatusSize {
+					n, err := a.Read(buf)
+					got.Add(int64(n))
+					if err != nil {
+						done <- err
+						return
+					}
+				}
+				done <- nil
+			}()
+			waitFor(t, func() bool { return got.Load() > 0 })
+			const bound = 64 << 20
+			worst, reads := int64(0), 0
+			for got.Load() < big-bound {
+				b := dialFrom(t, "127.0.0.1", dataAddr(en.srv))
+				b.SetDeadline(time.Now().Add(60 * time.Second))
+				acceptedAt.Store(-1)
+				if _, err := b.Write(readHeader(AddrOf(en.mem)+5, 100, true)); err != nil {
+					t.Fatal(err)
+				}
+				before := got.Load()
+				ans := make([]byte, StatusSize+100)
+				if _, err := io.ReadFull(b, ans); err != nil || !bytes.Equal(ans, answer(en.mem, 5, 100, true)) {
+					t.Fatalf("small read %d: %v", reads, err)
+				}
+				at := got.Load()
+				if en.srv.loop != nil {
+					at = acceptedAt.Load()
+				}
+				worst = max(worst, at-before)
+				reads++
+				b.Close()
+			}
+			if err := <-done; err != nil {
+				t.Fatalf("the big answer: %v after %d bytes", err, got.Load())
+			}
+			t.Logf("%d small reads while 1 GiB streamed; the big answer moved by at most %d MiB during one", reads, worst>>20)
+			if worst > bound {
+				t.Errorf("a small read waited while the big answer moved by %d MiB (bound %d MiB): the loop wrote it without letting others in", worst>>20, bound>>20)
+			}
+			a.Close()
+			settled(t, en.srv)
+		})
+	}
+}
+
+// TestEventLoopHostileNeighbours: a peer with a tiny receive window that
+// asks for 1 GiB and never reads, and a flood of silent connections up to
+// the total cap from many addresses, do not keep another peer's small
+// one-shot reads from being answered; the connection beyond the cap is
+// refused; everything is counted back to zero once they go.
+func TestEventLoopHostileNeighbours(t *testing.T) {
+	const big = 1 << 30
+	cfg := testConfig()
+	cfg.MaxConns, cfg.MaxConnsPerPeer = 64, 8
+	cfg.FirstByteTimeout, cfg.IOTimeout = time.Minute, time.Minute // the test ends them
+	for _, en := range loopEngines(t, cfg, 1<<20) {
+		t.Run(en.name, func(t *testing.T) {
+			mem := mmap(t, big)
+			if err := en.srv.Register(AddrOf(mem), big, ""); err != nil {
+				t.Fatal(err)
+			}
+			hog := dialFrom(t, "127.0.0.1", dataAddr(en.srv))
+			hog.(*net.TCPConn).SetReadBuffer(4096)
+			if _, err := hog.Write(readHeader(AddrOf(mem), big, true)); err != nil {
+				t.Fatal(err)
+			}
+			var silent []net.Conn
+			for i := range 62 { // the hog, these, and one slot for the reader
+				silent = append(silent, dialFrom(t, fmt.Sprintf("127.0.1.%d", 1+i/4), dataAddr(en.srv)))
+			}
+			waitFor(t, func() bool { return en.srv.portOpen(en.srv.dataConns) == 63 })
+			for i := range 100 {
+				off := i * 977
+				c := dialFrom(t, "127.0.0.1", dataAddr(en.srv))
+				c.SetDeadline(time.Now().Add(20 * time.Second))
+				if _, err := c.Write(readHeader(AddrOf(en.mem)+uint64(off), 4096, i%2 == 0)); err != nil {
+					t.Fatal(err)
+				}
+				want := answer(en.mem, off, 4096, i%2 == 0)
+				got := make([]byte, len(want))
+				if _, err := io.ReadFull(c, got); err != nil || !bytes.Equal(got, want) {
+					t.Fatalf("read %d among hostile neighbours: %v", i, err)
+				}
+				c.Close()
+				waitFor(t, func() bool { return en.srv.portOpen(en.srv.dataConns) == 63 })
+			}
+			dialFrom(t, "127.0.0.1", dataAddr(en.srv))
+			waitFor(t, func() bool { return en.srv.portOpen(en.srv.dataConns) == 64 })
+			refusedAt(t, "127.0.0.2", dataAddr(en.srv))
+			if n := testutil.ToFloat64(en.srv.m.connRefused.WithLabelValues(portData, refusedTotalCap)); n != 1 {
+				t.Errorf("total_cap refusals %v, want 1", n)
+			}
+			hog.(*net.TCPConn).SetLinger(0)
+			hog.Close()
+			for _, c := range silent {
+				c.Close()
+			}
+			en.srv.Close()
+			settled(t, en.srv)
 		})
 	}
 }
