@@ -416,8 +416,9 @@ func (l *eventLoop) serve(c *lconn) {
 	l.write(c)
 }
 
-// write sends what is left of c's answer; when the socket is full it
-// waits for room, bounded by IOTimeout of no progress.
+// write sends the next piece of c's answer (one writev of at most a
+// chunk per turn of the loop); then, or when the socket is full, it waits
+// for room, bounded by IOTimeout of no progress.
 func (l *eventLoop) write(c *lconn) {
 	chunk := l.e.cfg.ChunkSize
 	for {
@@ -458,6 +459,14 @@ func (l *eventLoop) write(c *lconn) {
 			l.waitRead(c)
 			return
 		}
+		// One write (at most a chunk) per turn: the rest when epoll
+		// says the socket takes more (at once, level-triggered, when it
+		// already does), after the other connections ready now. Writing
+		// on until EAGAIN let a peer that reads as fast as the loop
+		// writes hold it for a whole answer (hundreds of MiB) while
+		// others were not even accepted.
+		l.wait(c, syscall.EPOLLOUT, l.e.cfg.IOTimeout, "")
+		return
 	}
 }
 
