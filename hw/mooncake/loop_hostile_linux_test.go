@@ -4,14 +4,17 @@ package mooncake
 
 import (
 	"bytes"
+	"context"
 
 	"fmt"
 	"io"
+	"log/slog"
 	"math/rand/v2"
 	"net"
 	"runtime"
 	"syscall"
 
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -988,6 +991,150 @@ func TestEventLoopHostileNeighbours(t *testing.T) {
 			}
 			en.srv.Close()
 			settled(t, en.srv)
+		})
+	}
+}
+
+// acceptLog records the engine's "accept failed" lines of its data port
+// (data: its address as the goroutine path logs it).
+type acceptLog struct {
+	mu       sync.Mutex
+	data     string
+	backoffs []time.Duration
+	errs     []string
+}
+
+func (h *acceptLog) Enabled(context.Context, slog.Level) bool { return true }
+func (h *acceptLog) WithAttrs([]slog.Attr) slog.Handler       { return h }
+func (h *acceptLog) WithGroup(string) slog.Handler            { return h }
+func (h *acceptLog) Handle(_ context.Context, r slog.Record) error {
+	if r.Message != "accept failed" {
+		return nil
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var data bool
+	var backoff time.Duration
+	var err string
+	r.Attrs(func(a slog.Attr) bool {
+		switch a.Key {
+		case "port":
+			data = a.Value.String() == portData
+		case "addr":
+			data = a.Value.String() == h.data
+		case "backoff":
+			backoff = a.Value.Duration()
+		case "err":
+			err = fmt.Sprint(a.Value.Any())
+		}
+		return true
+	})
+	if data {
+		h.backoffs, h.errs = append(h.backoffs, backoff), append(h.errs, err)
+	}
+	return nil
+}
+
+func (h *acceptLog) failures() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return len(h.backoffs)
+}
+
+// TestEventLoopEMFILE: with no descriptor left under RLIMIT_NOFILE, accept
+// fails (EMFILE) with the connection left in the backlog: the engine
+// stops trying for a backoff that doubles each time (it does not spin on
+// a listener that stays readable), and once descriptors are free again
+// it accepts the waiting connection and serves it.
+func TestEventLoopEMFILE(t *testing.T) {
+	var rl syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl); err != nil {
+		t.Fatal(err)
+	}
+	for _, noLoop := range []bool{false, true} {
+		t.Run(map[bool]string{false: "loop", true: "goroutines"}[noLoop], func(t *testing.T) {
+			h := &acceptLog{}
+			cfg := testConfig()
+			cfg.NoEventLoop, cfg.FDReserve = noLoop, 0 // the reserve would refuse first
+			srv, err := NewTCPEngine(cfg, nil, slog.New(h))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer srv.Close()
+			h.mu.Lock()
+			h.data = dataAddr(srv)
+			h.mu.Unlock()
+			mem := register(t, srv, 1<<16, 4)
+			// The peer's socket is made before the limit is lowered.
+			fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer syscall.Close(fd)
+			tv := syscall.Timeval{Sec: 20}
+			syscall.SetsockoptTimeval(fd, syscall.SOL_SOCKET, syscall.SO_RCVTIMEO, &tv)
+			// The lowest free descriptor is the next one accept takes:
+			// with the soft limit there, accept fails.
+			free, err := syscall.Dup(0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			syscall.Close(free)
+			low := rl
+			low.Cur = uint64(free)
+			if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &low); err != nil {
+				t.Skipf("cannot lower RLIMIT_NOFILE: %v", err)
+			}
+			restored := false
+			restore := func() {
+				if !restored {
+					if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &rl); err != nil {
+						t.Fatalf("restore RLIMIT_NOFILE: %v", err)
+					}
+					restored = true
+				}
+			}
+			defer restore()
+			if err := syscall.Connect(fd, &syscall.SockaddrInet4{Port: srv.DataPort(), Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+				restore()
+				t.Fatalf("connect: %v", err)
+			}
+			for deadline := time.Now().Add(10 * time.Second); h.failures() < 3; time.Sleep(time.Millisecond) {
+				if time.Now().After(deadline) {
+					restore()
+					t.Fatalf("%d accept failures logged in 10 s under EMFILE, want 3", h.failures())
+				}
+			}
+			restore()
+			if _, err := syscall.Write(fd, readHeader(AddrOf(mem)+7, 100, true)); err != nil {
+				t.Fatal(err)
+			}
+			want := answer(mem, 7, 100, true)
+			var got []byte
+			buf := make([]byte, 256)
+			for len(got) < len(want) {
+				n, err := syscall.Read(fd, buf)
+				if err != nil || n == 0 {
+					t.Fatalf("answer after EMFILE: %d bytes, then %d, %v", len(got), n, err)
+				}
+				got = append(got, buf[:n]...)
+			}
+			if !bytes.Equal(got, want) {
+				t.Fatalf("answer after EMFILE differs: %x", got)
+			}
+			h.mu.Lock()
+			backoffs, errs := h.backoffs, h.errs
+			h.mu.Unlock()
+			for i := 1; i < 3; i++ {
+				if backoffs[i] <= backoffs[i-1] {
+					t.Errorf("backoffs %v: not growing (errors %q)", backoffs, errs)
+				}
+			}
+			if !strings.Contains(errs[0], "too many open files") {
+				t.Errorf("accept failed with %q, want EMFILE", errs[0])
+			}
+			syscall.Close(fd)
+			settled(t, srv)
 		})
 	}
 }
