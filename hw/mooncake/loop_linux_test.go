@@ -218,6 +218,12 @@ func TestEventLoopStalledReader(t *testing.T) {
 	if _, err := c.Write(readHeader(AddrOf(mem), uint64(len(mem)), true)); err != nil {
 		t.Fatal(err)
 	}
+	// The answer has started (without this, the wait below could see the
+	// connection not yet accepted, and Unregister refuse its request).
+	c.SetReadDeadline(time.Now().Add(20 * time.Second))
+	if _, err := io.ReadFull(c, make([]byte, StatusSize)); err != nil {
+		t.Fatal(err)
+	}
 	waitFor(t, func() bool { return srv.portOpen(srv.dataConns) == 0 })
 	unregistered := make(chan error, 1)
 	go func() { unregistered <- srv.Unregister(AddrOf(mem)) }()
