@@ -2,9 +2,11 @@ package node
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"strconv"
+	"syscall"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -20,6 +22,9 @@ import (
 
 // The side-channel client is the notify stage's Sender, with batched DONEs.
 var _ notify.BatchSender = (*sidechannel.Client)(nil)
+
+// The node's fetcher reaches a peer's port alongside each fetch.
+var _ handshake.Reacher = fetcher{}
 
 // Fetcher adapts a side-channel client to handshake.Fetcher. It ignores
 // data-plane credentials: with peers whose transfer engines require
@@ -47,6 +52,30 @@ type fetcher struct {
 	sh     *sameHost   // node.te_backend shm: takes each reply's same-host claim
 }
 
+// Reach is handshake.Reacher: it connects to endpoint's side-channel port
+// and closes the connection before sending a byte (a kvflow prefill's
+// front drops it without a word). A refused connection is job.ErrRefused:
+// the handshake fails at once instead of after every attempt's timeout.
+func (f fetcher) Reach(ctx context.Context, endpoint string) error {
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "tcp", endpoint)
+	if err != nil {
+		if errors.Is(err, syscall.ECONNREFUSED) {
+			return fmt.Errorf("side channel %s: %w: %w", endpoint, job.ErrRefused, err)
+		}
+		return err
+	}
+	return c.Close()
+}
+
+// noReply marks a GET_META that got no reply to any attempt
+// (sidechannel.ErrTimeout) as job.ErrNoReply; its message is the side
+// channel's.
+type noReply struct{ err error }
+
+func (e noReply) Error() string   { return e.err.Error() }
+func (e noReply) Unwrap() []error { return []error{e.err, job.ErrNoReply} }
+
 // credentialSetter is the TCP engine's side of data-plane authentication.
 type credentialSetter interface {
 	SetPeerCredential(session string, cred *mooncake.Credential) error
@@ -55,6 +84,9 @@ type credentialSetter interface {
 func (f fetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, error) {
 	m, err := f.c.GetMeta(ctx, endpoint)
 	if err != nil {
+		if errors.Is(err, sidechannel.ErrTimeout) {
+			err = noReply{err} // the notify stage skips this request's DONE to it
+		}
 		return job.Meta{}, err
 	}
 	// A lease shorter than any kvflow prefill may advertise would have this

@@ -114,18 +114,40 @@ func New(cfg Config, d Deps) (*Stage, error) {
 
 // Process notifies after a successful job.
 func (s *Stage) Process(ctx context.Context, j *job.Job) error {
-	s.notify(ctx, j)
+	s.notify(ctx, j, nil)
 	return nil
 }
 
 // ProcessFailed notifies after a failed job too: the prefill side must free
 // its blocks. The job's cause is kept; notify adds no error of its own.
 func (s *Stage) ProcessFailed(ctx context.Context, j *job.Job, cause error) error {
-	s.notify(ctx, j)
+	s.notify(ctx, j, cause)
 	return nil
 }
 
-func (s *Stage) notify(ctx context.Context, j *job.Job) {
+// silent is why the DONE to endpoint is not sent after cause: this job's
+// GET_META to that rank was refused (nothing listens there, so nothing
+// there holds the blocks) or got no reply to any attempt (the DONE goes to
+// the same side channel and would wait out the same timeouts). The
+// request is reported that much sooner; were the rank alive after all, it
+// frees the blocks at its abort timeout (no lease was taken: the handshake
+// failed), as after any undelivered DONE. "" when the DONE is sent.
+func silent(cause error, endpoint string) string {
+	for _, pe := range job.Blame(cause) {
+		if pe.Hop != job.HopHandshake || pe.Endpoint != endpoint {
+			continue
+		}
+		switch {
+		case errors.Is(pe.Err, job.ErrRefused):
+			return "its side channel refused this request's GET_META"
+		case errors.Is(pe.Err, job.ErrNoReply):
+			return "its side channel did not answer this request's GET_META"
+		}
+	}
+	return ""
+}
+
+func (s *Stage) notify(ctx context.Context, j *job.Job, cause error) {
 	if len(j.Plan.Tasks) == 0 {
 		return // failed before planning: no remote rank knows of it
 	}
@@ -136,6 +158,12 @@ func (s *Stage) notify(ctx context.Context, j *job.Job) {
 	var wg sync.WaitGroup
 	for i := range j.Plan.Tasks {
 		ep := j.HandshakeEndpoint(i)
+		if why := silent(cause, ep); why != "" {
+			s.m.undelivered.Inc()
+			j.DoneUndelivered.Add(1)
+			s.log.Info("DONE not sent", "request_id", j.Req.ID, "endpoint", ep, "task", i, "why", why)
+			continue
+		}
 		send := s.s.SendDone
 		// Metas is short when the job failed before its handshake ended:
 		// those ranks get plain DONEs.

@@ -224,7 +224,8 @@ func (s *Stage) process(ctx context.Context, j *job.Job) error {
 	}
 	g, gctx := errgroup.WithContext(ctx)
 	for i := range j.Plan.Tasks {
-		g.Go(func() error { return s.task(gctx, j, i) })
+		// A task's failure is blamed on its rank only (peer health).
+		g.Go(func() error { return job.AtPeer(job.HopRead, j.HandshakeEndpoint(i), s.task(gctx, j, i)) })
 	}
 	return g.Wait()
 }
