@@ -3,6 +3,7 @@ package decode_test
 import (
 	"fmt"
 	"net"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -253,17 +254,148 @@ func (r *rig) timeToFail(port int, what string) []time.Duration {
 	return nil
 }
 
-func errorsIsPeerDown(err error) bool { return err != nil && strings.Contains(err.Error(), "peer down") }
+func errorsIsPeerDown(err error) bool {
+	return err != nil && strings.Contains(err.Error(), "peer down")
+}
 
 // TestDeadPeerTimeToFailMeasure logs how long requests to a dead prefill
-// rank take before it is marked down, with the default per-attempt
-// timeouts (1 s): closed port and blackhole. Measurement only (-run it by
-// name; skipped in -short).
+// rank take until it is marked down, with the default per-attempt
+// timeouts (1 s): closed port, then blackhole. A measurement, not a test
+// (about 10 s): it runs only with KVFLOW_MEASURE=1.
 func TestDeadPeerTimeToFailMeasure(t *testing.T) {
-	if testing.Short() {
-		t.Skip("measurement")
+	if os.Getenv("KVFLOW_MEASURE") == "" {
+		t.Skip("a measurement: KVFLOW_MEASURE=1 runs it")
 	}
 	r := startRig(t, 1, []bool{false}, 0)
 	r.timeToFail(closedPort(t), "closed port")
 	r.timeToFail(newBlackhole(t).port(), "blackhole")
+}
+
+// TestBlameOnlyTheDeadRank: a decode rank that reads two prefill ranks
+// (prefill TP 2 → decode TP 1), one alive and one whose port is closed:
+// its requests fail, and only the dead rank degrades (down after
+// peers.down_after requests); the live rank, whose handshake and DONEs
+// were fine, records no failure.
+func TestBlameOnlyTheDeadRank(t *testing.T) {
+	r := startRig(t, 2, []bool{true, false}, 0)
+	live, dead := fmt.Sprintf("127.0.0.1:%d", r.kvPort), fmt.Sprintf("127.0.0.1:%d", r.kvPort+1)
+	if c, err := net.Dial("tcp", dead); err == nil {
+		c.Close()
+		t.Skipf("%s (prefill rank 1's port) is taken by another process", dead)
+	}
+	for i := range r.downFter {
+		id := r.load(r.kvPort)
+		res := r.wait()
+		if res.RequestID != id || res.Err == nil || !strings.Contains(res.Err.Error(), dead) {
+			t.Fatalf("request %d: %+v, want %s failed naming %s", i, res, id, dead)
+		}
+		t.Logf("request %d failed after %v: %v", i, res.Latency, res.Err)
+	}
+	if st := r.peer(dead); st.State != peers.Down || st.Consecutive != r.downFter {
+		t.Errorf("dead rank: %+v, want down after %d failures", st, r.downFter)
+	}
+	st := r.peer(live)
+	if st.State != peers.Up || st.Failures != 0 || st.Consecutive != 0 {
+		t.Errorf("live rank: %+v, want up with no failure", st)
+	}
+	t.Logf("live rank: %d successes (its DONEs), %d failures", st.Successes, st.Failures)
+	id := r.load(r.kvPort)
+	if res := r.wait(); res.RequestID != id || !errorsIsPeerDown(res.Err) || !strings.Contains(res.Err.Error(), dead) {
+		t.Fatalf("after down: %+v, want peer down naming %s", res, dead)
+	}
+	if st := r.peer(live); st.Failures != 0 {
+		t.Errorf("live rank after the peer_down request: %+v", st)
+	}
+}
+
+// TestDeadPeerClosedPort: requests to a prefill rank whose port refuses
+// connections fail without waiting out a single attempt's timeout (the
+// handshake's reach of the port is refused), send it no DONE (nothing
+// listens there), and mark it down after peers.down_after of them; the
+// next request fails at once with peer_down. Default timeouts (1 s per
+// attempt, 3 attempts), which none of them waits for.
+func TestDeadPeerClosedPort(t *testing.T) {
+	r := startRig(t, 1, []bool{false}, 0)
+	lats := r.timeToFail(closedPort(t), "closed port")
+	if len(lats) != r.downFter {
+		t.Errorf("%d requests failed before peer_down, want %d", len(lats), r.downFter)
+	}
+	// A request's admission also fetches a peer's metadata in the
+	// background (the plan stage, for leases), also while the peer is
+	// down: GET_METAs are counted by outcome, not by number.
+	getMeta := func(outcome string) float64 {
+		return r.metric("kvflow_sidechannel_requests_total", map[string]string{"role": "client", "op": "get_meta", "outcome": outcome})
+	}
+	if n := getMeta("canceled"); n < float64(r.downFter) {
+		t.Errorf("%v GET_METAs canceled by the refusal, want at least %d", n, r.downFter)
+	}
+	for _, c := range []struct {
+		name   string
+		metric string
+		labels map[string]string
+	}{
+		{"GET_METAs timed out", "kvflow_sidechannel_requests_total", map[string]string{"op": "get_meta", "outcome": "timeout"}},
+		{"GET_METAs answered", "kvflow_sidechannel_requests_total", map[string]string{"op": "get_meta", "outcome": "ok"}},
+		{"attempts timed out", "kvflow_sidechannel_socket_resets_total", map[string]string{"reason": "timeout"}},
+		{"DONEs sent", "kvflow_sidechannel_requests_total", map[string]string{"role": "client", "op": "done"}},
+		{"batched DONEs sent", "kvflow_sidechannel_requests_total", map[string]string{"role": "client", "op": "done_batch"}},
+	} {
+		if got := r.metric(c.metric, c.labels); got != 0 {
+			t.Errorf("%s: %v, want 0", c.name, got)
+		}
+	}
+	if got := r.metric("kvflow_notify_done_messages_total", map[string]string{"result": "undelivered"}); got != float64(r.downFter+1) {
+		t.Errorf("undelivered DONEs %v, want %d (each request's, none sent)", got, r.downFter+1)
+	}
+}
+
+// TestDeadPeerBlackhole: requests to a prefill rank that accepts
+// connections and never answers wait out the handshake's attempts (a
+// timeout retries: a slow peer may still answer), but requests waiting
+// together share that one fetch, and none sends a DONE to the silent
+// side channel; their failures mark the rank down and the next request
+// fails at once.
+func TestDeadPeerBlackhole(t *testing.T) {
+	const attempt = 200 * time.Millisecond
+	r := startRig(t, 1, []bool{false}, attempt)
+	bh := newBlackhole(t)
+	const n = 4
+	ids := map[string]bool{}
+	for range n {
+		ids[r.load(bh.port())] = true
+	}
+	for range n {
+		res := r.wait()
+		if !ids[res.RequestID] || res.Err == nil || !strings.Contains(res.Err.Error(), "no reply") {
+			t.Fatalf("%+v: want one of %v failed with no reply", res, ids)
+		}
+		delete(ids, res.RequestID)
+		t.Logf("%s failed after %v: %v", res.RequestID, res.Latency, res.Err)
+	}
+	for _, c := range []struct {
+		name   string
+		metric string
+		labels map[string]string
+		want   float64
+	}{
+		{"GET_METAs (one fetch shared)", "kvflow_sidechannel_requests_total", map[string]string{"role": "client", "op": "get_meta"}, 1},
+		{"GET_METAs timed out", "kvflow_sidechannel_requests_total", map[string]string{"role": "client", "op": "get_meta", "outcome": "timeout"}, 1},
+		{"attempts timed out (all retried)", "kvflow_sidechannel_socket_resets_total", map[string]string{"reason": "timeout"}, 3},
+		{"DONEs sent", "kvflow_sidechannel_requests_total", map[string]string{"role": "client", "op": "done"}, 0},
+		{"batched DONEs sent", "kvflow_sidechannel_requests_total", map[string]string{"role": "client", "op": "done_batch"}, 0},
+		{"undelivered DONEs", "kvflow_notify_done_messages_total", map[string]string{"result": "undelivered"}, n},
+	} {
+		if got := r.metric(c.metric, c.labels); got != c.want {
+			t.Errorf("%s: %v, want %v", c.name, got, c.want)
+		}
+	}
+	ep := fmt.Sprintf("127.0.0.1:%d", bh.port())
+	if st := r.peer(ep); st.State != peers.Down {
+		t.Fatalf("blackhole rank after %d failures: %+v, want down", n, st)
+	}
+	t.Logf("blackhole accepted %d connections (attempts and the reach)", bh.accepted.Load())
+	id := r.load(bh.port())
+	if res := r.wait(); res.RequestID != id || !errorsIsPeerDown(res.Err) {
+		t.Fatalf("after down: %+v, want peer down", res)
+	}
 }
