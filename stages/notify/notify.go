@@ -125,26 +125,37 @@ func (s *Stage) ProcessFailed(ctx context.Context, j *job.Job, cause error) erro
 	return nil
 }
 
-// silent is why the DONE to endpoint is not sent after cause: this job's
-// GET_META to that rank was refused (nothing listens there, so nothing
-// there holds the blocks) or got no reply to any attempt (the DONE goes to
-// the same side channel and would wait out the same timeouts). The
-// request is reported that much sooner; were the rank alive after all, it
-// frees the blocks at its abort timeout (no lease was taken: the handshake
-// failed), as after any undelivered DONE. "" when the DONE is sent.
-func silent(cause error, endpoint string) string {
+// How the DONE to one rank goes out after a job's failure (doneAfter).
+const (
+	doneSend = iota // with the client's attempts, as after a success
+	doneOnce        // one attempt: the rank's side channel did not answer this job's GET_META
+	doneSkip        // not at all: the rank's side-channel port refused this job's connection
+)
+
+// doneAfter is how the DONE to endpoint goes out after cause, the job's
+// failure. A rank whose port refused the connection (job.ErrRefused) gets
+// none: nothing listens there, so nothing there holds the blocks (a
+// restarted prefill does not know the requests its predecessor held). A
+// rank whose side channel answered none of the GET_META's attempts
+// (job.ErrNoReply) gets one attempt, not all: the request does not wait
+// out the same timeouts twice, while a rank that came back meanwhile
+// still frees its blocks at once (one that misses it frees them at its
+// abort timeout; no lease was taken, the handshake failed). Any other
+// cause, or a rank whose handshake went well, gets every attempt.
+func doneAfter(cause error, endpoint string) int {
+	how := doneSend
 	for _, pe := range job.Blame(cause) {
 		if pe.Hop != job.HopHandshake || pe.Endpoint != endpoint {
 			continue
 		}
 		switch {
 		case errors.Is(pe.Err, job.ErrRefused):
-			return "its side channel refused this request's GET_META"
+			return doneSkip
 		case errors.Is(pe.Err, job.ErrNoReply):
-			return "its side channel did not answer this request's GET_META"
+			how = doneOnce
 		}
 	}
-	return ""
+	return how
 }
 
 func (s *Stage) notify(ctx context.Context, j *job.Job, cause error) {
@@ -158,10 +169,12 @@ func (s *Stage) notify(ctx context.Context, j *job.Job, cause error) {
 	var wg sync.WaitGroup
 	for i := range j.Plan.Tasks {
 		ep := j.HandshakeEndpoint(i)
-		if why := silent(cause, ep); why != "" {
+		how := doneAfter(cause, ep)
+		if how == doneSkip {
 			s.m.undelivered.Inc()
 			j.DoneUndelivered.Add(1)
-			s.log.Info("DONE not sent", "request_id", j.Req.ID, "endpoint", ep, "task", i, "why", why)
+			s.log.Info("DONE not sent: the rank's side-channel port refused this request's connection",
+				"request_id", j.Req.ID, "endpoint", ep, "task", i)
 			continue
 		}
 		send := s.s.SendDone
@@ -172,6 +185,13 @@ func (s *Stage) notify(ctx context.Context, j *job.Job, cause error) {
 			s.m.batched.Inc()
 		}
 		wg.Go(func() {
+			ctx := ctx
+			if how == doneOnce {
+				// One attempt and half its backoff: the retry never starts.
+				var cancel context.CancelFunc
+				ctx, cancel = context.WithTimeout(ctx, s.cfg.Timeout.D()+s.cfg.RetryBackoff.D()/2)
+				defer cancel()
+			}
 			if err := send(ctx, ep, j.Req.ID); err != nil {
 				s.m.undelivered.Inc()
 				j.DoneUndelivered.Add(1)

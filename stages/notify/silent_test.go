@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
@@ -13,10 +15,12 @@ import (
 	"github.com/kvflow/kvflow/stages/job"
 )
 
-// TestSilentPeerNoDone: after a failure, the DONE to a rank whose side
-// channel refused or did not answer this request's GET_META is not sent
-// (counted undelivered); every other rank's DONE is, whatever else failed.
-func TestSilentPeerNoDone(t *testing.T) {
+// TestSilentPeerDone: after a failure, the DONE to a rank whose side
+// channel refused this request's GET_META is not sent (counted
+// undelivered), the one to a rank that did not answer it gets one
+// attempt (a deadline of one attempt's timeout), every other rank's DONE
+// is sent with every attempt, whatever else failed.
+func TestSilentPeerDone(t *testing.T) {
 	const ep1, ep2 = "10.0.0.1:1", "10.0.0.1:2"
 	refused := fmt.Errorf("dial: %w", job.ErrRefused)
 	noReply := fmt.Errorf("get_meta: %w", job.ErrNoReply)
@@ -24,18 +28,29 @@ func TestSilentPeerNoDone(t *testing.T) {
 		name  string
 		cause error
 		sent  []string // endpoints that got a DONE
+		once  []string // of those, the ones sent with one attempt
 	}{
-		{"success", nil, []string{ep1, ep2}},
-		{"handshake refused at rank 2", job.AtPeer(job.HopHandshake, ep2, refused), []string{ep1}},
-		{"handshake no reply at rank 1", fmt.Errorf("stage handshake: %w", job.AtPeer(job.HopHandshake, ep1, noReply)), []string{ep2}},
-		{"both silent", errors.Join(job.AtPeer(job.HopHandshake, ep1, noReply), job.AtPeer(job.HopHandshake, ep2, refused)), nil},
-		{"handshake bad reply at rank 2", job.AtPeer(job.HopHandshake, ep2, errors.New("bad metadata")), []string{ep1, ep2}},
-		{"read refused at rank 2 (side channel may answer)", job.AtPeer(job.HopRead, ep2, refused), []string{ep1, ep2}},
-		{"unnamed no reply", noReply, []string{ep1, ep2}},
+		{"success", nil, []string{ep1, ep2}, nil},
+		{"handshake refused at rank 2", job.AtPeer(job.HopHandshake, ep2, refused), []string{ep1}, nil},
+		{"handshake no reply at rank 1", fmt.Errorf("stage handshake: %w", job.AtPeer(job.HopHandshake, ep1, noReply)), []string{ep1, ep2}, []string{ep1}},
+		{"both silent", errors.Join(job.AtPeer(job.HopHandshake, ep1, noReply), job.AtPeer(job.HopHandshake, ep2, refused)), []string{ep1}, []string{ep1}},
+		{"handshake bad reply at rank 2", job.AtPeer(job.HopHandshake, ep2, errors.New("bad metadata")), []string{ep1, ep2}, nil},
+		{"read refused at rank 2 (side channel may answer)", job.AtPeer(job.HopRead, ep2, refused), []string{ep1, ep2}, nil},
+		{"unnamed no reply", noReply, []string{ep1, ep2}, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s := &fakes.Sender{}
-			st, err := New(Config{}, Deps{Sender: s})
+			var mu sync.Mutex
+			var once []string
+			cfg := DefaultConfig()
+			st, err := New(cfg, Deps{Sender: senderFunc(func(ctx context.Context, ep, id string) error {
+				if d, ok := ctx.Deadline(); ok && time.Until(d) <= cfg.Timeout.D()+cfg.RetryBackoff.D() {
+					mu.Lock()
+					once = append(once, ep)
+					mu.Unlock()
+				}
+				return s.SendDone(ctx, ep, id)
+			})})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -55,10 +70,21 @@ func TestSilentPeerNoDone(t *testing.T) {
 			if !slices.Equal(got, tc.sent) {
 				t.Fatalf("DONEs to %v, want %v", got, tc.sent)
 			}
+			slices.Sort(once)
+			if !slices.Equal(once, tc.once) {
+				t.Fatalf("DONEs with one attempt's deadline to %v, want %v", once, tc.once)
+			}
 			skipped := 2 - len(tc.sent)
 			if int(j.DoneUndelivered.Load()) != skipped || testutil.ToFloat64(st.m.undelivered) != float64(skipped) {
 				t.Fatalf("undelivered %d / %v, want %d", j.DoneUndelivered.Load(), testutil.ToFloat64(st.m.undelivered), skipped)
 			}
 		})
 	}
+}
+
+// senderFunc adapts a function to Sender.
+type senderFunc func(ctx context.Context, endpoint, reqID string) error
+
+func (f senderFunc) SendDone(ctx context.Context, endpoint, reqID string) error {
+	return f(ctx, endpoint, reqID)
 }
