@@ -68,14 +68,6 @@ func (f fetcher) Reach(ctx context.Context, endpoint string) error {
 	return c.Close()
 }
 
-// noReply marks a GET_META that got no reply to any attempt
-// (sidechannel.ErrTimeout) as job.ErrNoReply; its message is the side
-// channel's.
-type noReply struct{ err error }
-
-func (e noReply) Error() string   { return e.err.Error() }
-func (e noReply) Unwrap() []error { return []error{e.err, job.ErrNoReply} }
-
 // credentialSetter is the TCP engine's side of data-plane authentication.
 type credentialSetter interface {
 	SetPeerCredential(session string, cred *mooncake.Credential) error
@@ -85,7 +77,7 @@ func (f fetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, error)
 	m, err := f.c.GetMeta(ctx, endpoint)
 	if err != nil {
 		if errors.Is(err, sidechannel.ErrTimeout) {
-			err = noReply{err} // the notify stage skips this request's DONE to it
+			err = job.Mark(err, job.ErrNoReply) // the notify stage sends its DONE once
 		}
 		return job.Meta{}, err
 	}

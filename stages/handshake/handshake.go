@@ -209,6 +209,10 @@ func (c *Cache) GetSince(ctx context.Context, k Key, since time.Time) (job.Meta,
 		fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.opts.Timeout)
 		defer cancel()
 		m, err := c.getMeta(fctx, k.Endpoint)
+		if err != nil && errors.Is(fctx.Err(), context.DeadlineExceeded) {
+			// The fetch's bound is its attempts' timeouts: none answered.
+			err = job.Mark(err, job.ErrNoReply)
+		}
 		if err != nil {
 			c.errs.Inc()
 			err = fmt.Errorf("handshake engine %q at %s: %w", k.EngineID, k.Endpoint, err)

@@ -59,7 +59,11 @@ func attempts(n int, per, answerAfter time.Duration) func(ctx context.Context) (
 // answers, a silent one fails after all of them. Synthetic time
 // (testing/synctest): the durations are exact, not measured.
 func TestReachRefusedFailsAtOnce(t *testing.T) {
+	// A refusal takes a round trip (1 ms); meanwhile every waiter joins
+	// the fetch.
+	const rtt = time.Millisecond
 	refused := func(context.Context) error {
+		time.Sleep(rtt)
 		return fmt.Errorf("dial: %w: %w", job.ErrRefused, syscall.ECONNREFUSED)
 	}
 	connected := func(context.Context) error { return nil }
@@ -73,8 +77,8 @@ func TestReachRefusedFailsAtOnce(t *testing.T) {
 		wantErr error // nil: the metadata
 		wantAt  time.Duration
 	}{
-		{"refused", attempts(3, time.Second, 0), refused, 1, job.ErrRefused, 0},
-		{"refused, shared by 8", attempts(3, time.Second, 0), refused, 8, job.ErrRefused, 0},
+		{"refused", attempts(3, time.Second, 0), refused, 1, job.ErrRefused, rtt},
+		{"refused, shared by 8", attempts(3, time.Second, 0), refused, 8, job.ErrRefused, rtt},
 		{"accepts, silent", attempts(3, time.Second, 0), connected, 1, errAny, 3 * time.Second},
 		{"accepts, slow but alive", attempts(3, time.Second, 2500*time.Millisecond), connected, 1, nil, 2500 * time.Millisecond},
 		{"unreachable network retries", attempts(3, time.Second, 0), unreachable, 1, errAny, 3 * time.Second},
@@ -122,3 +126,28 @@ func TestReachRefusedFailsAtOnce(t *testing.T) {
 
 // errAny stands for any error in TestReachRefusedFailsAtOnce's table.
 var errAny = errors.New("any error")
+
+// TestFetchTimeoutIsNoReply: a fetch cut by the cache's own bound (its
+// attempts' timeouts) failed for want of a reply: job.ErrNoReply, which
+// the notify stage reads; a fetch that failed otherwise is not marked.
+func TestFetchTimeoutIsNoReply(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		for _, tc := range []struct {
+			name string
+			get  FetcherFunc
+			want bool
+		}{
+			{"cut by the bound", func(ctx context.Context, _ string) (job.Meta, error) { <-ctx.Done(); return job.Meta{}, ctx.Err() }, true},
+			{"bad reply", func(context.Context, string) (job.Meta, error) { return job.Meta{}, errors.New("bad reply") }, false},
+		} {
+			c, err := NewCache(tc.get, Options{Timeout: 3 * time.Second})
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = c.Get(context.Background(), Key{EngineID: "P", Endpoint: "127.0.0.1:1"})
+			if err == nil || errors.Is(err, job.ErrNoReply) != tc.want {
+				t.Errorf("%s: %v, ErrNoReply %v, want %v", tc.name, err, errors.Is(err, job.ErrNoReply), tc.want)
+			}
+		}
+	})
+}

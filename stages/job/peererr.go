@@ -25,6 +25,20 @@ var (
 	ErrNoReply = errors.New("job: no reply from the peer's side channel")
 )
 
+// Mark returns err marked with cause (errors.Is(Mark(err, c), c)), its
+// message unchanged: e.g. a side channel's timeout marked ErrNoReply.
+func Mark(err, cause error) error {
+	if err == nil || errors.Is(err, cause) {
+		return err
+	}
+	return marked{err: err, cause: cause}
+}
+
+type marked struct{ err, cause error }
+
+func (m marked) Error() string   { return m.err.Error() }
+func (m marked) Unwrap() []error { return []error{m.err, m.cause} }
+
 // PeerError is a job's failure at one remote rank: the hop that failed and
 // the rank's side-channel endpoint ("host:handshake_port", the key of peer
 // health). A stage wraps the error of the task whose hop failed in it, so

@@ -43,3 +43,14 @@ func TestBlame(t *testing.T) {
 		t.Fatalf("PeerError hides its cause: %q", a)
 	}
 }
+
+func TestMark(t *testing.T) {
+	base := errors.New("sidechannel: timeout")
+	m := Mark(base, ErrNoReply)
+	if !errors.Is(m, ErrNoReply) || !errors.Is(m, base) || m.Error() != base.Error() {
+		t.Fatalf("Mark: %q is ErrNoReply %v, base %v", m, errors.Is(m, ErrNoReply), errors.Is(m, base))
+	}
+	if Mark(nil, ErrNoReply) != nil || Mark(m, ErrNoReply) != m {
+		t.Fatal("Mark(nil) or Mark of a marked error changed it")
+	}
+}
