@@ -17,6 +17,15 @@
 // metadata is checked for compatibility like any other. A peer whose boot
 // epoch changed is also re-fetched.
 //
+// A fetcher with the Reacher capability (the node's side-channel adapter)
+// also connects to the peer's port alongside each fetch: a refused
+// connection (nothing listens) fails the fetch at once with job.ErrRefused
+// instead of after every attempt's timeout; a port that accepts leaves
+// the fetch to its attempts, so a slow but alive peer still answers. A
+// fetch cut by its own bound (the attempts' timeouts) is marked
+// job.ErrNoReply. A task's failure is returned as a job.PeerError naming
+// its rank, so peer health blames that rank only.
+//
 // Leases: with Stage.Leases set, a job whose handshake ended is leased at
 // exactly the ranks whose metadata advertised leases (lease.Keeper.Add;
 // the plan stage already leased it at admission where it could).

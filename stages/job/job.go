@@ -2,6 +2,9 @@
 // pull request, its plan, the metadata of its remote ranks and what the
 // stages recorded about it.
 //
+// A stage that fails at one remote rank says which (PeerError, Blame), so
+// that the failure is blamed on that rank only.
+//
 // A Job is owned by one stage at a time (the pipeline hands it on); inside
 // a stage, goroutines that work on one task write only that task's slot.
 // The package holds data only: it never does I/O and starts no goroutine.

@@ -16,6 +16,13 @@
 // that do not advertise it get plain DONEs; so does every rank when the
 // Sender is not a BatchSender (e.g. wrapped by a fault injector).
 //
+// After a failed handshake, a rank whose side-channel port refused the
+// connection (job.ErrRefused in the job's job.PeerError for that rank) gets
+// no DONE: nothing listens there. One whose side channel answered none of
+// the GET_META's attempts (job.ErrNoReply) gets its DONE with one attempt
+// instead of all: the request does not wait out the same timeouts twice.
+// Both count as undelivered when they do not get through.
+//
 // A DONE that cannot be delivered is counted and logged; it does not fail a
 // job whose bytes all landed (the prefill side frees it at its abort
 // timeout). Its subpackage tracker is the prefill side's bookkeeping of
