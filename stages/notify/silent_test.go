@@ -7,6 +7,7 @@ import (
 	"slices"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -39,45 +40,48 @@ func TestSilentPeerDone(t *testing.T) {
 		{"unnamed no reply", noReply, []string{ep1, ep2}, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			s := &fakes.Sender{}
-			var mu sync.Mutex
-			var once []string
-			cfg := DefaultConfig()
-			st, err := New(cfg, Deps{Sender: senderFunc(func(ctx context.Context, ep, id string) error {
-				if d, ok := ctx.Deadline(); ok && time.Until(d) <= cfg.Timeout.D()+cfg.RetryBackoff.D() {
-					mu.Lock()
-					once = append(once, ep)
-					mu.Unlock()
+			synctest.Test(t, func(t *testing.T) {
+				s := &fakes.Sender{}
+				var mu sync.Mutex
+				var once []string
+				cfg := DefaultConfig()
+				st, err := New(cfg, Deps{Sender: senderFunc(func(ctx context.Context, ep, id string) error {
+					// Synthetic time: the deadline left is exact.
+					if d, ok := ctx.Deadline(); ok && time.Until(d) == cfg.Timeout.D()+cfg.RetryBackoff.D()/2 {
+						mu.Lock()
+						once = append(once, ep)
+						mu.Unlock()
+					}
+					return s.SendDone(ctx, ep, id)
+				})})
+				if err != nil {
+					t.Fatal(err)
 				}
-				return s.SendDone(ctx, ep, id)
-			})})
-			if err != nil {
-				t.Fatal(err)
-			}
-			j := testJob([]int{1, 2}, nil)
-			if tc.cause == nil {
-				err = st.Process(context.Background(), j)
-			} else {
-				err = st.ProcessFailed(context.Background(), j, tc.cause)
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			var got []string
-			for _, d := range s.ByEndpoint() {
-				got = append(got, d.Endpoint)
-			}
-			if !slices.Equal(got, tc.sent) {
-				t.Fatalf("DONEs to %v, want %v", got, tc.sent)
-			}
-			slices.Sort(once)
-			if !slices.Equal(once, tc.once) {
-				t.Fatalf("DONEs with one attempt's deadline to %v, want %v", once, tc.once)
-			}
-			skipped := 2 - len(tc.sent)
-			if int(j.DoneUndelivered.Load()) != skipped || testutil.ToFloat64(st.m.undelivered) != float64(skipped) {
-				t.Fatalf("undelivered %d / %v, want %d", j.DoneUndelivered.Load(), testutil.ToFloat64(st.m.undelivered), skipped)
-			}
+				j := testJob([]int{1, 2}, nil)
+				if tc.cause == nil {
+					err = st.Process(context.Background(), j)
+				} else {
+					err = st.ProcessFailed(context.Background(), j, tc.cause)
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				var got []string
+				for _, d := range s.ByEndpoint() {
+					got = append(got, d.Endpoint)
+				}
+				if !slices.Equal(got, tc.sent) {
+					t.Fatalf("DONEs to %v, want %v", got, tc.sent)
+				}
+				slices.Sort(once)
+				if !slices.Equal(once, tc.once) {
+					t.Fatalf("DONEs with one attempt's deadline to %v, want %v", once, tc.once)
+				}
+				skipped := 2 - len(tc.sent)
+				if int(j.DoneUndelivered.Load()) != skipped || testutil.ToFloat64(st.m.undelivered) != float64(skipped) {
+					t.Fatalf("undelivered %d / %v, want %d", j.DoneUndelivered.Load(), testutil.ToFloat64(st.m.undelivered), skipped)
+				}
+			})
 		})
 	}
 }
