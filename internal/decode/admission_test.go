@@ -9,6 +9,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -59,7 +60,7 @@ func (f *peerFetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, e
 	if endpoint == ep(portStall) {
 		f.once.Do(func() { close(f.stalled) })
 		// Leased (so that it is never refused as a stale read either; long
-		// enough that the lease guard trusts it on a loaded machine).
+		// enough that the lease guard trusts it through the tests' sleeps).
 		m.EngineID, m.LeaseTTL, wait = "S", time.Second, f.stall
 	} else {
 		m.EngineID, m.LeaseTTL = "P", f.ttl
@@ -161,6 +162,8 @@ func renewedFor(f *fakeRenewer, id string) bool {
 }
 
 // waitEnded polls Finished until ids all ended and returns the failures.
+// Its callers run in a synctest bubble (inBubble): its deadline, on the
+// bubble's clock, only ends a hang.
 func waitEnded(t *testing.T, w *Worker, ids ...string) (done []string, failed []Failure) {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
@@ -183,6 +186,16 @@ func renewsIdle(w *Worker) func() bool {
 	return w.rn.Idle
 }
 
+// inBubble runs a test in a testing/synctest bubble: its clock moves
+// only when every goroutine of the worker is blocked, so the sleeps that
+// decide an outcome (a lease run out, an abort timeout passed) last exactly
+// as written however loaded the machine, and the test fails if a goroutine
+// of the worker outlives its Close (run by admissionWorker's cleanup,
+// inside the bubble).
+func inBubble(f func(t *testing.T)) func(t *testing.T) {
+	return func(t *testing.T) { synctest.Test(t, f) }
+}
+
 func waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(3 * time.Second)
@@ -199,9 +212,8 @@ func waitUntil(t *testing.T, what string, cond func() bool) {
 // fetch its admission started lands otherwise; never at a peer that
 // advertised no lease. Its lease ends with it.
 func TestLeaseAtAdmission(t *testing.T) {
-	// b is read after its renewals: its lease must be trusted then,
-	// however loaded the machine (renewed every 333 ms, trusted for 800 ms
-	// after each ACK).
+	// b is read after its renewals, on synctest's clock (renewed every
+	// 333 ms, trusted for 800 ms after each ACK).
 	const ttl = time.Second
 	for _, tc := range []struct {
 		name   string
@@ -214,7 +226,7 @@ func TestLeaseAtAdmission(t *testing.T) {
 		{"cached, no lease advertised", 0, true, false},
 		{"fetched, no lease advertised", 0, false, false},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
+		t.Run(tc.name, inBubble(func(t *testing.T) {
 			f := newPeerFetcher(tc.ttl)
 			rn := &fakeRenewer{}
 			var reads atomic.Int32
@@ -254,7 +266,7 @@ func TestLeaseAtAdmission(t *testing.T) {
 					t.Fatalf("renewed after the requests ended: %+v", c)
 				}
 			}
-		})
+		}))
 	}
 }
 
@@ -310,8 +322,8 @@ func TestLeaseRemovedBeforeHandshake(t *testing.T) {
 			ids := []string{"stall"}
 			for i := 0; ; i++ {
 				id := fmt.Sprintf("s%d", i)
-				// Long enough that only a full pipeline, not a slow
-				// scheduler on a loaded machine, makes a Load wait it out.
+				// On synctest's clock only a full pipeline makes a Load
+				// wait this out.
 				ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 				err := w.Load(ctx, []LoadRequest{loadReq(id, portStall)})[0]
 				cancel()
@@ -332,7 +344,7 @@ func TestLeaseRemovedBeforeHandshake(t *testing.T) {
 			waitEnded(t, w, ids...)
 		}},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
+		t.Run(tc.name, inBubble(func(t *testing.T) {
 			f := newPeerFetcher(ttl)
 			rn := &fakeRenewer{}
 			var reads atomic.Int32
@@ -354,7 +366,7 @@ func TestLeaseRemovedBeforeHandshake(t *testing.T) {
 			if leased != 0 || pending != 0 || pendingOf != 0 {
 				t.Fatalf("after every request ended: %d leased, %d fetches pending (%d requests)", leased, pending, pendingOf)
 			}
-		})
+		}))
 	}
 }
 

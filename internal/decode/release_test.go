@@ -6,6 +6,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 )
@@ -15,6 +16,11 @@ import (
 // their DONEs sent at shutdown, to every rank they read; a request whose
 // own DONE was under way and one already done get no second one.
 func TestCloseReleasesCanceled(t *testing.T) {
+	// On synctest's clock: no wall-clock deadline decides it.
+	synctest.Test(t, testCloseReleasesCanceled)
+}
+
+func testCloseReleasesCanceled(t *testing.T) {
 	var mu sync.Mutex
 	sent := map[string][]string{} // request id → endpoints, every SendDone
 	blockN := make(chan struct{})
