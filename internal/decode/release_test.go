@@ -9,6 +9,8 @@ import (
 	"testing/synctest"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/kvflow/kvflow/internal/tooling/testkit/fakes/leasefake"
 )
 
 // TestCloseReleasesCanceled: requests Close cancels before their notify
@@ -39,7 +41,7 @@ func testCloseReleasesCanceled(t *testing.T) {
 	})
 	f := newPeerFetcher(0)
 	var reads atomic.Int32
-	w, reg := admissionWorker(t, f, &fakeRenewer{}, &reads, StageSizes{}, func(o *Options) { o.Sender = sender })
+	w, reg := admissionWorker(t, f, &leasefake.Renewer{}, &reads, StageSizes{}, func(o *Options) { o.Sender = sender })
 	warm(t, w)
 	mustLoad(t, w, loadReq("done", portPeer))
 	waitEnded(t, w, "done")

@@ -4,6 +4,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"testing/synctest"
+
+	"github.com/kvflow/kvflow/internal/tooling/testkit/fakes/leasefake"
 )
 
 // TestFinishedBound: results not polled beyond MaxFinished are dropped,
@@ -15,7 +17,7 @@ func TestFinishedBound(t *testing.T) {
 
 func testFinishedBound(t *testing.T) {
 	var reads atomic.Int32
-	w, _ := admissionWorker(t, newPeerFetcher(0), &fakeRenewer{}, &reads, StageSizes{}, func(o *Options) { o.MaxFinished = 2 })
+	w, _ := admissionWorker(t, newPeerFetcher(0), &leasefake.Renewer{}, &reads, StageSizes{}, func(o *Options) { o.MaxFinished = 2 })
 	ids := []string{"a", "b", "c", "d", "e"}
 	for _, id := range ids {
 		mustLoad(t, w, loadReq(id, portPeer))

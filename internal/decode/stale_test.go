@@ -10,6 +10,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/kvflow/kvflow/internal/tooling/testkit/fakes/leasefake"
 	"github.com/kvflow/kvflow/stages/plan"
 )
 
@@ -29,7 +30,7 @@ func TestWorkerStaleReadGuard(t *testing.T) {
 		t.Run(tc.name, inBubble(func(t *testing.T) {
 			f := newPeerFetcher(tc.ttl)
 			var reads atomic.Int32
-			w, reg := admissionWorker(t, f, &fakeRenewer{}, &reads, StageSizes{}, func(o *Options) { o.PeerAbortTimeout = abort })
+			w, reg := admissionWorker(t, f, &leasefake.Renewer{}, &reads, StageSizes{}, func(o *Options) { o.PeerAbortTimeout = abort })
 			warm(t, w)
 			mustLoad(t, w, loadReq("stall", portStall))
 			<-f.stalled
@@ -58,17 +59,6 @@ func TestWorkerStaleReadGuard(t *testing.T) {
 	}
 }
 
-// cutRenewer acknowledges RENEWs until cut is set, then fails them (the
-// side channel is gone).
-type cutRenewer struct{ cut atomic.Bool }
-
-func (c *cutRenewer) Renew(ctx context.Context, _ string, _ []string) error {
-	if c.cut.Load() {
-		return errors.New("side channel cut")
-	}
-	return nil
-}
-
 // A read that started while the lease held and ended after it may have
 // run out (RENEWs failing meanwhile) fails: the prefill may have freed and
 // reused the blocks while they were read. With RENEWs acknowledged the
@@ -85,7 +75,7 @@ func TestLeaseLostDuringRead(t *testing.T) {
 		{"renewals acknowledged", false},
 	} {
 		t.Run(tc.name, inBubble(func(t *testing.T) {
-			rn := &cutRenewer{}
+			rn := &leasefake.Renewer{}
 			started, release := make(chan struct{}), make(chan struct{})
 			w, reg := admissionWorker(t, newPeerFetcher(ttl), rn, new(atomic.Int32), StageSizes{}, func(o *Options) {
 				o.Transfer = transferFunc(func(ctx context.Context, _ string, _ []plan.Op) error {
@@ -103,7 +93,9 @@ func TestLeaseLostDuringRead(t *testing.T) {
 			// On synctest's clock nothing has run past the read's start:
 			// the first RENEW (due renewCoalesce after admission) is still
 			// to go, and it fails when cut.
-			rn.cut.Store(tc.cut)
+			if tc.cut {
+				rn.SetErr(errors.New("side channel cut"))
+			}
 			// Hold the read for longer than a TTL: the lease is no longer
 			// trusted when no RENEW was acknowledged (cut), and still
 			// trusted when they were (renewed every TTL/3).
