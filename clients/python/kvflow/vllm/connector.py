@@ -200,7 +200,10 @@ class KvflowConnector(KVConnectorBase_V1):
         kvflow_boot_epochs (entry tp + pp * tp_size; 0 for a rank that
         sent none), so a decode fails a request whose prefill rank has
         restarted since instead of reading the new process's blocks.
-        Anything else is logged and ignored (no epochs: as the seed)."""
+        Anything else is logged and ignored (no epochs: as the seed).
+        vLLM keys the dict by TP rank only, so with PP > 1 one stage's
+        metadata per TP rank survives its merge; the ranks of the others
+        stay 0 (not compared: as today)."""
         if self._rules is None or not self._is_prefill():
             return
         epochs = [0] * (self.tp_size * self.pp_size)
