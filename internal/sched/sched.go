@@ -238,8 +238,17 @@ func (s *Rules) RequestFinished(r *Request, blocks []int) (bool, *Handover) {
 	return delay, &Handover{
 		DoRemotePrefill: true, RemoteBlockIDs: blocks, RemoteEngineID: s.EngineID, RemoteHost: s.Host,
 		RemotePort: s.Port, RemotePCPSize: max(s.PCPSize, 1), RemoteDCPSize: max(s.DCPSize, 1), LastTokenID: last,
-		BootEpochs: slices.Clone(s.BootEpochs),
+		BootEpochs: s.handedEpochs(),
 	}
+}
+
+// handedEpochs is a copy of BootEpochs to hand over, nil when none is
+// known (all 0): then the params are the seed's exactly.
+func (s *Rules) handedEpochs() []uint64 {
+	if !slices.ContainsFunc(s.BootEpochs, func(e uint64) bool { return e != 0 }) {
+		return nil
+	}
+	return slices.Clone(s.BootEpochs)
 }
 
 func (s *Rules) now() float64 {
