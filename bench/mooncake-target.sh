@@ -6,7 +6,9 @@
 # one fresh network namespace (loopback only). For each block size, each
 # round runs the initiator once against each target, in alternating order;
 # the script prints every run, then per block size the median MB/s of each
-# target and the median of the per-round ratios kvflow / Mooncake.
+# target and the median of the per-round ratios kvflow / Mooncake, and each
+# target's CPU time per GB it served (median of rounds: steadier than MB/s
+# on a shared machine, where the initiator and both targets share cores).
 #
 # Needs a Mooncake build (../shared/tools/mooncake-build.sh):
 # MOONCAKE_BENCH, or ~/.config/kvflow/mooncake.env which sets it. Root (or
@@ -124,6 +126,10 @@ for v in ${KVFLOW_VARIANTS:-}; do
 	port=$((port + 10))
 done
 
+# cpu PID: the process's CPU time so far (user + system), in ms.
+tck=$(getconf CLK_TCK)
+cpu() { awk -v t="$tck" '{printf "%d\n", ($14 + $15) * 1000 / t}' "/proc/$1/stat"; }
+
 # run TARGET BLOCK: one initiator run, prints MB/s.
 run() {
 	local out
@@ -142,28 +148,36 @@ n=${#names[@]}
 header="| block (B) |" sep="| ---: |"
 for name in "${names[@]}"; do header+=" $name, median MB/s | runs |"; sep+=" ---: | --- |"; done
 for name in "${names[@]:1}"; do header+=" $name / mooncake (median of rounds) |"; sep+=" ---: |"; done
+for name in "${names[@]}"; do header+=" $name CPU ms/GB |"; sep+=" ---: |"; done
 summary=()
 for bs in $BLOCKS; do
-	for name in "${names[@]}"; do : >"$name.$bs"; : >"ratio.$name.$bs"; done
+	for name in "${names[@]}"; do : >"$name.$bs"; : >"ratio.$name.$bs"; : >"cpu.$name.$bs"; done
 	for r in $(seq "$ROUNDS"); do
 		# Rotate the order from round to round.
 		line="block $(printf %7d "$bs") round $r:"
-		declare -A got=()
+		declare -A got=() cpg=()
 		for i in $(seq 0 $((n - 1))); do
 			j=$(((i + r) % n))
+			c0=$(cpu "${pids[$j]}")
 			got[$j]=$(run "${addrs[$j]}" "$bs")
+			c1=$(cpu "${pids[$j]}")
+			# The target's CPU per GB it served (the initiator's run
+			# includes its start-up, the same for every target).
+			cpg[$j]=$(awk -v c=$((c1 - c0)) -v mb="${got[$j]}" -v d="$DURATION" 'BEGIN {printf "%.0f", (mb > 0 ? c * 1000 / (mb * d) : 0)}')
 		done
 		for j in $(seq 0 $((n - 1))); do
 			echo "${got[$j]}" >>"${names[$j]}.$bs"
-			line+=" ${names[$j]} ${got[$j]} MB/s"
+			echo "${cpg[$j]}" >>"cpu.${names[$j]}.$bs"
+			line+=" ${names[$j]} ${got[$j]} MB/s (${cpg[$j]} CPU ms/GB)"
 			((j == 0)) || awk -v k="${got[$j]}" -v m="${got[0]}" 'BEGIN {printf "%.3f\n", (m > 0 ? k / m : 0)}' >>"ratio.${names[$j]}.$bs"
 		done
-		unset got
+		unset got cpg
 		echo "$line"
 	done
 	row="| $bs |"
 	for name in "${names[@]}"; do row+=" $(median <"$name.$bs") | $(paste -sd/ "$name.$bs") |"; done
 	for name in "${names[@]:1}"; do row+=" $(median <"ratio.$name.$bs") |"; done
+	for name in "${names[@]}"; do row+=" $(median <"cpu.$name.$bs") |"; done
 	summary+=("$row")
 done
 echo

@@ -374,6 +374,11 @@ func TestExitCodes(t *testing.T) {
 		{"metrics port in use", prefill("--metrics-addr", busyAddr), exitUsage, "node.metrics_addr " + busyAddr},
 		{"side channel port in use", prefill("--kv-port", busyPort), exitUsage, "in use"},
 		{"transfer engine port in use", prefill("--te-port", busyPort), exitUsage, "in use"},
+		{"transfer engine data port in use", prefill("--te-data-port", busyPort), exitUsage, "node.te_data_port " + busyPort},
+		{"data port is the rpc port", prefill("--te-port", "17000", "--te-data-port", "17000", "--print-config"), exitUsage,
+			"node.te_data_port: 17000 is also node.te_port"},
+		{"side channel caps", prefill("--side-channel-max-conns", "8", "--side-channel-max-conns-per-peer", "9", "--print-config"), exitUsage,
+			"node.limits.side_channel_max_conns_per_peer: 9 exceeds node.limits.side_channel_max_conns (8)"},
 		{"peer unreachable (runtime)", []string{"probe", "--remote", closedAddr, "--timeout", "200ms"}, exitRuntime, "no reply"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

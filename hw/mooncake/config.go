@@ -81,6 +81,12 @@ type TCPConfig struct {
 	// negotiated per peer in the handshake, so Mooncake peers never see it
 	// anyway (doc.go, "kvflow's strided READ").
 	NoKvflowOps bool
+	// NoEventLoop serves every data connection on a goroutine of its own.
+	// Off by default: on Linux, connections start on the data port's event
+	// loop, which serves one plain READ at a time (Mooncake's initiator,
+	// pool off or on) and hands anything else to a goroutine (loop_linux.go).
+	// The event loop is off anyway when RequireAuth is on.
+	NoEventLoop bool
 
 	// What a peer that reaches the data or RPC port can hold; see
 	// doc.go, "Connections an outsider can open". Every refusal is counted
@@ -287,6 +293,7 @@ func (c *TCPConfig) RegisterFlags(fs *flag.FlagSet, prefix string) {
 	fs.BoolVar(&c.ReadGrants, prefix+"read-grants", c.ReadGrants, "serve only granted ranges")
 	fs.DurationVar(&c.RevokeGrace, prefix+"revoke-grace", c.RevokeGrace, "how long reads in flight of revoked blocks may finish before their connections are cut")
 	fs.BoolVar(&c.AcceptWrites, prefix+"accept-writes", c.AcceptWrites, "serve peers' WRITE requests into registered memory")
+	fs.BoolVar(&c.NoEventLoop, prefix+"no-event-loop", c.NoEventLoop, "serve every data connection on a goroutine instead of starting them on the event loop")
 	fs.DurationVar(&c.FirstByteTimeout, prefix+"first-byte-timeout", c.FirstByteTimeout, "close a data connection with no request this long after accept")
 	fs.DurationVar(&c.IdleTimeout, prefix+"idle-timeout", c.IdleTimeout, "close a data connection with no request for this long")
 	fs.IntVar(&c.MaxConns, prefix+"max-conns", c.MaxConns, "open connections per port (data, rpc)")

@@ -96,7 +96,12 @@ func peerKey(a net.Addr) netip.Addr {
 	if !ok {
 		return netip.Addr{}
 	}
-	ip := ta.AddrPort().Addr().Unmap()
+	return peerKeyOf(ta.AddrPort())
+}
+
+// peerKeyOf is peerKey of an address and port.
+func peerKeyOf(ap netip.AddrPort) netip.Addr {
+	ip := ap.Addr().Unmap()
 	if ip.Is6() {
 		if p, err := ip.Prefix(64); err == nil {
 			return p.Addr()

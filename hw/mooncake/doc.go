@@ -189,12 +189,27 @@
 // All of this runs once per connection, at accept or when it goes idle;
 // the request path is unchanged. A new connection is cheap, since
 // Mooncake's initiator opens one per request unless its connection pool is
-// on: TCP_NODELAY and keep-alive are set once on each listener and
-// inherited by what it accepts (one setsockopt per connection, the one Go
-// always makes, instead of six), and a data connection's 64 KiB header
-// buffer and pending-response list come from a pool (allocated per
-// connection, the buffer was 96% of the bytes BenchmarkAuthConnect
-// allocated, and zeroing and collecting it ~15% of that benchmark's CPU).
+// on. On Linux (without RequireAuth, and unless NoEventLoop) the data port
+// is served by an event loop (loop_linux.go): one goroutine, its own epoll
+// instance, non-blocking raw syscalls, no goroutine, netpoll registration
+// or finalizer per connection; per one-shot connection accept4, read,
+// writev, epoll_ctl, read of the end of stream, close. It serves a
+// connection while each read brings exactly one whole plain READ header of
+// registered (and granted) memory, writing the answer as the socket takes
+// it, and hands the connection, between two requests and with the bytes
+// read so far, to a goroutine of its own (serveData) for anything else:
+// pipelined headers (kvflow's lanes, whose small answers serveData gathers
+// into one writev), strided reads, WRITEs and requests to refuse (refused,
+// counted and logged there, as without the loop). Handoffs are counted in
+// kvflow_transfer_event_loop_handoffs_total. The caps, the descriptor
+// reserve and the timeouts above apply on both paths; a grant cut resets a
+// loop connection at the loop's next turn. On the goroutine path
+// TCP_NODELAY and keep-alive are set once on each listener and inherited
+// by what it accepts (one setsockopt per connection, the one Go always
+// makes, instead of six), and a data connection's 64 KiB header buffer and
+// pending-response list come from a pool (allocated per connection, the
+// buffer was 96% of the bytes BenchmarkAuthConnect allocated, and zeroing
+// and collecting it ~15% of that benchmark's CPU).
 // An initiator with the pool off opens up to threads × batch size
 // connections at once from one address (transfer_engine_bench's
 // defaults: 12 × 128; the seed's decode: 32 threads × 61 × 2 × block

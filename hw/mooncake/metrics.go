@@ -37,6 +37,8 @@ type metrics struct {
 	// Data connections cut because a revoke's grace ended while they
 	// still served revoked bytes.
 	grantCuts prometheus.Counter
+	// Data connections the event loop handed to a goroutine.
+	loopHandoffs prometheus.Counter
 
 	// The per-direction series, resolved once (the hot paths add per op).
 	readBytes, readOps             prometheus.Counter
@@ -113,8 +115,13 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "kvflow_transfer_grant_reads_cut_total",
 			Help: "Data connections cut because they still served bytes whose read grant was revoked (their blocks freed) one revoke grace earlier: a reader stalled mid-range.",
 		}),
+		loopHandoffs: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvflow_transfer_event_loop_handoffs_total",
+			Help: "Data connections the data port's event loop (which serves one plain READ at a time, as Mooncake's initiator sends them) handed to a goroutine of their own: pipelined requests (kvflow's lanes), strided reads, writes and requests to refuse.",
+		}),
 	}
 	m.bytes = registerCollector(reg, m.bytes)
+	m.loopHandoffs = registerCollector(reg, m.loopHandoffs)
 	m.grantCuts = registerCollector(reg, m.grantCuts)
 	m.ops = registerCollector(reg, m.ops)
 	m.batch = registerCollector(reg, m.batch)

@@ -29,6 +29,8 @@ type TCPEngine struct {
 	creds   credStore   // credentials presented to targets, per session (auth.go)
 
 	rpcLn, dataLn net.Listener
+	dataPort      int
+	loop          *eventLoop // the data port's event loop (loop_linux.go); nil: acceptLoop serves it
 	session       string
 	host          string // advertised host
 
@@ -105,10 +107,28 @@ func NewTCPEngine(cfg TCPConfig, reg prometheus.Registerer, log *slog.Logger) (*
 	}
 	e.session = net.JoinHostPort(e.host, strconv.Itoa(e.RPCPort()))
 	e.log = log.With("component", "hw/mooncake", "session", e.session)
+	e.dataPort = e.dataLn.Addr().(*net.TCPAddr).Port
 	e.wg.Add(2)
 	go e.acceptLoop(e.rpcLn, e.rpcConns, e.serveRPC)
-	go e.acceptLoop(e.dataLn, e.dataConns, e.serveData)
-	e.log.Info("transfer engine listening", "rpc_port", e.RPCPort(), "data_port", e.DataPort(), "read_grants", cfg.ReadGrants, "require_auth", cfg.RequireAuth)
+	// The data port: the event loop where it can serve (Linux, no
+	// data-plane auth), every connection on a goroutine otherwise.
+	serving := "goroutines"
+	if !cfg.NoEventLoop && e.auth == nil {
+		l, err := newEventLoop(e, e.dataLn)
+		switch {
+		case err == nil:
+			e.loop, serving = l, "event loop"
+		case !errors.Is(err, errNoLoop):
+			e.log.Warn("data port: event loop unavailable, serving every connection on a goroutine", "err", err)
+		}
+	}
+	if e.loop != nil {
+		go e.loop.run()
+	} else {
+		go e.acceptLoop(e.dataLn, e.dataConns, e.serveData)
+	}
+	e.log.Info("transfer engine listening", "rpc_port", e.RPCPort(), "data_port", e.DataPort(), "data_serving", serving,
+		"read_grants", cfg.ReadGrants, "require_auth", cfg.RequireAuth)
 	return e, nil
 }
 
@@ -116,7 +136,7 @@ func NewTCPEngine(cfg TCPConfig, reg prometheus.Registerer, log *slog.Logger) (*
 func (e *TCPEngine) RPCPort() int { return e.rpcLn.Addr().(*net.TCPAddr).Port }
 
 // DataPort is the data port (tcp_data_port).
-func (e *TCPEngine) DataPort() int { return e.dataLn.Addr().(*net.TCPAddr).Port }
+func (e *TCPEngine) DataPort() int { return e.dataPort }
 
 // SessionID is "advertise_host:rpc_port", this engine's segment name.
 func (e *TCPEngine) SessionID() string { return e.session }
@@ -228,6 +248,9 @@ func (e *TCPEngine) Close() error {
 	e.mu.Unlock()
 	e.rpcLn.Close()
 	e.dataLn.Close()
+	if e.loop != nil {
+		e.loop.close()
+	}
 	for _, p := range peers {
 		for _, l := range p.lanes {
 			l.shutdown()
@@ -238,6 +261,10 @@ func (e *TCPEngine) Close() error {
 	e.log.Info("transfer engine closed")
 	return nil
 }
+
+// errNoLoop: this platform has no event loop (loop_other.go); every data
+// connection is served on a goroutine (acceptLoop, serveData).
+var errNoLoop = errors.New("no event loop on this platform")
 
 // errEngineClosed: track found the engine closing.
 var errEngineClosed = errors.New("closing")
@@ -271,15 +298,23 @@ func (e *TCPEngine) track(c net.Conn, pc *portConns, key netip.Addr, room int64)
 	pc.total++
 	pc.pending[key]++
 	e.open.Add(1)
-	e.conns[c] = struct{}{}
+	if c != nil { // nil: a connection the event loop holds (loop_linux.go)
+		e.conns[c] = struct{}{}
+	}
 	e.wg.Add(1)
 	return &admission{e: e, pc: pc, key: key, pending: true}, "", nil
 }
 
+// untrack closes c and gives back what track took; c is nil for a
+// connection the event loop closed itself.
 func (e *TCPEngine) untrack(c net.Conn, a *admission) {
-	c.Close()
+	if c != nil {
+		c.Close()
+	}
 	e.mu.Lock()
-	delete(e.conns, c)
+	if c != nil {
+		delete(e.conns, c)
+	}
 	a.pc.total--
 	if a.pending {
 		a.pending = false
@@ -296,11 +331,16 @@ func (e *TCPEngine) refuse(c net.Conn, port, reason string) {
 	if tc, ok := c.(*net.TCPConn); ok {
 		tc.SetLinger(0)
 	}
-	peer := c.RemoteAddr().String()
+	peer := c.RemoteAddr()
 	c.Close()
+	e.refused(port, reason, peer)
+}
+
+// refused counts a refused connection and logs at most every 10 s.
+func (e *TCPEngine) refused(port, reason string, peer fmt.Stringer) {
 	e.m.connRefused.WithLabelValues(port, reason).Inc()
 	if ok, n := e.refuseLog.ok(time.Now(), 10*time.Second); ok {
-		e.log.Warn("connection refused", "port", port, "reason", reason, "peer", peer,
+		e.log.Warn("connection refused", "port", port, "reason", reason, "peer", peer.String(),
 			"refused_since_last_log", n, "max_conns", e.cfg.MaxConns, "max_conns_per_peer", e.cfg.MaxConnsPerPeer,
 			"fd_reserve", e.cfg.FDReserve)
 	}

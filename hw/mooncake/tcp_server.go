@@ -2,6 +2,7 @@ package mooncake
 
 import (
 	"bufio"
+	"bytes"
 	"errors"
 	"fmt"
 	"io"
@@ -102,7 +103,12 @@ func (e *TCPEngine) flushPending(c net.Conn, p *pending) error {
 // connection once the responses before it are written (a v2 peer first
 // gets the reject status). The connection counts against its address's
 // MaxConnsPerPeer until its first request is found valid (a.working).
-func (e *TCPEngine) serveData(c net.Conn, a *admission) {
+func (e *TCPEngine) serveData(c net.Conn, a *admission) { e.serveDataFrom(c, a, nil) }
+
+// serveDataFrom is serveData on a connection whose first bytes, prefix,
+// were already read (by the event loop, which hands a connection over
+// between two requests: prefix starts a header).
+func (e *TCPEngine) serveDataFrom(c net.Conn, a *admission, prefix []byte) {
 	e.m.targetConns.Inc()
 	defer e.m.targetConns.Dec()
 	// TCP_NODELAY (and keep-alive) come from the listener (listenConfig).
@@ -112,7 +118,11 @@ func (e *TCPEngine) serveData(c net.Conn, a *admission) {
 	peer := logAddr{c.RemoteAddr()} // formatted only if logged
 	cb := connBufsPool.Get().(*connBufs)
 	br, p := cb.br, &cb.p
-	br.Reset(c)
+	if len(prefix) > 0 {
+		br.Reset(io.MultiReader(bytes.NewReader(prefix), c))
+	} else {
+		br.Reset(c)
+	}
 	defer func() {
 		for i, r := range p.pins {
 			r.unpin()

@@ -65,7 +65,8 @@ func (c Config) BackendFallbacks() []Fallback {
 			"the side channel stays CURVE-authenticated, the transfer engine's ports are open")
 	}
 	add("node.limits", "te_first_byte_timeout, te_idle_timeout, te_max_conns, te_max_conns_per_peer and fd_reserve "+
-		"do not apply: they bound kvflow's tcp engine, and Mooncake's transports manage their own connections")
+		"do not apply to the transfer engine's ports: they bound kvflow's tcp engine, and Mooncake's transports manage their own connections "+
+		"(fd_reserve and the side_channel_* caps still bound the side channel)")
 	return out
 }
 
@@ -121,6 +122,10 @@ func (c Config) validateBackend(v *validator) {
 	if n.TEPort != 0 {
 		v.add("node.te_port", "%d: Mooncake's engine picks its own RPC port (in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT of its environment, "+
 			"15000..17000 by default); set 0 (the metadata advertises the port it took)", n.TEPort)
+	}
+	if n.TEDataPort != 0 {
+		v.add("node.te_data_port", "%d: Mooncake's engine picks its own data port (its tcp transport takes one in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, "+
+			"and its C API takes none); set 0, or use te_backend %s or %s to fix it", n.TEDataPort, BackendTCP, BackendShm)
 	}
 	if c.Role() == Prefill && c.Read.Grants == GrantsOn {
 		v.add("read.grants", "on needs node.te_backend %s: Mooncake's engine serves every registered byte to any peer "+

@@ -224,6 +224,13 @@ type Node struct {
 	// TEPort is the transfer engine's RPC port; 0 picks a free one (it is
 	// advertised in the metadata as te_rpc_port, so peers need not know it).
 	TEPort int `json:"te_port"`
+	// TEDataPort is the transfer engine's data port (the tcp engine's
+	// tcp_data_port, which its segment descriptor advertises to peers
+	// after the handshake on TEPort); 0 picks a free one at each start.
+	// Fix it, with TEPort, to open a firewall for exactly two ports. The
+	// tcp and shm backends apply it; mooncake refuses a fixed one (its
+	// engine picks its data port itself).
+	TEDataPort int `json:"te_data_port"`
 	// Control is the control socket endpoint (ipc:// or tcp://); "" derives
 	// ipc:///tmp/kvflow-<engine_id>-<role>-dp<d>-pp<p>-tp<t>.sock
 	// (see ControlEndpoint).
@@ -265,6 +272,13 @@ type Limits struct {
 	// so the control socket, the side channel and HTTP always have room.
 	// 0 turns the check off.
 	FDReserve int `json:"fd_reserve"`
+	// SideChannelMaxConns caps the open connections of a prefill worker's
+	// side-channel port, SideChannelMaxConnsPerPeer those from one remote
+	// address (IPv6: one /64); a connection beyond either is closed at
+	// accept (sidechannel.Limits; libzmq itself accepts without bound).
+	// They apply with every te_backend.
+	SideChannelMaxConns        int `json:"side_channel_max_conns"`
+	SideChannelMaxConnsPerPeer int `json:"side_channel_max_conns_per_peer"`
 	// HTTPMaxConns caps the open connections of the metrics endpoint;
 	// further ones are closed at once.
 	HTTPMaxConns int `json:"http_max_conns"`
@@ -415,6 +429,9 @@ func Default() Config {
 			// 0: the OS picks a free RPC port, which the metadata
 			// advertises (the seed's get_rpc_port does the same).
 			TEPort: 0,
+			// 0: the OS picks the data port too; the segment descriptor
+			// advertises it, so only a firewall needs it fixed.
+			TEDataPort: 0,
 			// Loopback so /metrics is not exposed by default, port 0 so the
 			// eight or sixteen workers of one host never collide; the bound
 			// address is logged and reported by the status op. Set a fixed
@@ -426,6 +443,18 @@ func Default() Config {
 				TEMaxConns:         te.MaxConns,
 				TEMaxConnsPerPeer:  te.MaxConnsPerPeer,
 				FDReserve:          te.FDReserve,
+				// A kvflow decode worker keeps up to 16 side-channel
+				// connections to one prefill rank for its DONEs (the
+				// side-channel client's MaxConnsPerPeer) and a few for
+				// GET_META, shed after 2 min idle: 256 from one address is
+				// a decode host of 8 to 16 ranks at full concurrency, 4096
+				// sixteen such hosts (a seed decode worker holds fewer).
+				// Each relayed connection costs three descriptors, which
+				// fd_reserve bounds as well. internal/sidechannel's
+				// DefaultLimits carry the same numbers (a node test pins
+				// them: config cannot import that cgo package).
+				SideChannelMaxConns:        4096,
+				SideChannelMaxConnsPerPeer: 256,
 				// A Prometheus server or two, a health checker and an
 				// operator's curl need a handful; 64 leaves room for
 				// several scrapers while an outsider cannot hold more.

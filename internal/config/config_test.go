@@ -398,6 +398,18 @@ func TestValidate(t *testing.T) {
 		{"te port", Decode, func(c *Config) { c.Node.TEPort = -1 }, []string{"node.te_port: must be in 0..65535"}},
 		{"te port clashes with handshake", Decode, func(c *Config) { c.Node.TEPort = 20101 },
 			[]string{"node.te_port: 20101 is this worker's side-channel handshake port"}},
+		{"te data port range", Decode, func(c *Config) { c.Node.TEDataPort = 65536 }, []string{"node.te_data_port: must be in 0..65535 (0 = pick a free port), got 65536"}},
+		{"te data port negative", Prefill, func(c *Config) { c.Node.TEDataPort = -1 }, []string{"node.te_data_port: must be in 0..65535"}},
+		{"te data port fixed", Prefill, func(c *Config) { c.Node.TEPort, c.Node.TEDataPort = 17000, 17001 }, nil},
+		{"te data port alone", Decode, func(c *Config) { c.Node.TEDataPort = 17001 }, nil},
+		{"te data port is the rpc port", Prefill, func(c *Config) { c.Node.TEPort, c.Node.TEDataPort = 17000, 17000 },
+			[]string{"node.te_data_port: 17000 is also node.te_port: the transfer engine's RPC and data ports must differ"}},
+		{"te data port clashes with handshake", Decode, func(c *Config) { c.Node.TEDataPort = 20101 },
+			[]string{"node.te_data_port: 20101 is this worker's side-channel handshake port"}},
+		{"te data port on another host than the side channel", Decode, func(c *Config) { c.Node.TEDataPort, c.Node.TEHost = 20101, "10.0.0.9" }, nil},
+		{"te data port with shm", Prefill, func(c *Config) {
+			c.Node.TEBackend, c.Cache.Mode, c.Node.TEDataPort = BackendShm, CacheShm, 17001
+		}, nil},
 		{"te backend", Decode, func(c *Config) { c.Node.TEBackend = "rdma" }, []string{`node.te_backend: must be tcp, shm or mooncake, got "rdma"`}},
 		{"te backend shm on anonymous prefill memory", Prefill, func(c *Config) { c.Node.TEBackend = BackendShm; c.Cache.Mode = CacheAnonymous },
 			[]string{`node.te_backend: shm on a prefill worker needs its cache in a file`}},
@@ -423,6 +435,9 @@ func TestValidate(t *testing.T) {
 		}, mooncakeWant("node.mooncake.protocol: missing", `node.mooncake.location: want a location tag (cpu:0, npu:0, ...) without spaces or quotes, got "cpu 0"`)},
 		{"te backend mooncake fixed te port", Decode, func(c *Config) { c.Node.TEBackend, c.Node.TEPort = BackendMooncake, 25000 },
 			mooncakeWant("node.te_port: 25000: Mooncake's engine picks its own RPC port")},
+		{"te backend mooncake fixed te data port", Prefill, func(c *Config) {
+			c.Node.TEBackend, c.Read.Grants, c.Node.TEDataPort = BackendMooncake, GrantsOff, 25001
+		}, mooncakeWant("node.te_data_port: 25001: Mooncake's engine picks its own data port")},
 		{"mooncake settings ignored with tcp", Decode, func(c *Config) { c.Node.Mooncake = MooncakeTE{} }, nil},
 		{"control scheme", Decode, func(c *Config) { c.Node.Control = "/tmp/x.sock" },
 			[]string{`node.control: want an ipc:// or tcp:// endpoint, got "/tmp/x.sock"`}},
@@ -440,6 +455,15 @@ func TestValidate(t *testing.T) {
 			"node.limits.te_max_conns_per_peer: 9 exceeds node.limits.te_max_conns (8)", "node.limits.fd_reserve: must be >= 0",
 			"node.limits.http_max_conns: must be >= 1"}},
 		{"limits: no fd reserve", Prefill, func(c *Config) { c.Node.Limits.FDReserve = 0 }, nil},
+		{"limits: side channel caps", Prefill, func(c *Config) {
+			c.Node.Limits.SideChannelMaxConns, c.Node.Limits.SideChannelMaxConnsPerPeer = 0, -1
+		}, []string{"node.limits.side_channel_max_conns: must be >= 1, got 0", "node.limits.side_channel_max_conns_per_peer: must be >= 1, got -1"}},
+		{"limits: side channel per peer above total", Prefill, func(c *Config) {
+			c.Node.Limits.SideChannelMaxConns, c.Node.Limits.SideChannelMaxConnsPerPeer = 8, 9
+		}, []string{"node.limits.side_channel_max_conns_per_peer: 9 exceeds node.limits.side_channel_max_conns (8)"}},
+		{"limits: side channel per peer equal to total", Decode, func(c *Config) {
+			c.Node.Limits.SideChannelMaxConns, c.Node.Limits.SideChannelMaxConnsPerPeer = 2, 2
+		}, nil},
 		{"pools and queues", Decode, func(c *Config) {
 			c.Pipeline.Workers.Read, c.Pipeline.Queues.Notify = 0, -1
 		}, []string{"pipeline.workers.read: must be >= 1, got 0", "pipeline.queues.notify: must be >= 1, got -1"}},
@@ -778,7 +802,8 @@ func TestParseNoConfig(t *testing.T) {
 		"--decode-tp", "2", "--decode-dp", "1", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
 		"--block-size", "128", "--dtype", "bf16", "--num-blocks", "16", "--cache", "shm", "--cache-remove-on-close",
 		"--metrics-addr", "", "--control", "ipc:///tmp/p.sock", "--side-channel-host", "10.0.0.2",
-		"--te-host", "10.0.0.2", "--te-port", "17000", "--read-workers", "3", "--plan-queue", "9",
+		"--te-host", "10.0.0.2", "--te-port", "17000", "--te-data-port", "17001", "--read-workers", "3", "--plan-queue", "9",
+		"--side-channel-max-conns", "100", "--side-channel-max-conns-per-peer", "10",
 		"--log-level", "warn", "--log-format", "json"}, fs)
 	if err != nil {
 		t.Fatal(err)
@@ -787,7 +812,8 @@ func TestParseNoConfig(t *testing.T) {
 		t.Fatal(err)
 	}
 	if c.Role() != Prefill || c.KVTransfer.KVRole != KVProducer || c.Cache.Mode != CacheShm || !c.Cache.RemoveOnClose ||
-		c.Node.MetricsAddr != "" || c.Pipeline.Workers.Read != 3 || c.Pipeline.Queues.Plan != 9 || c.Node.TEPort != 17000 {
+		c.Node.MetricsAddr != "" || c.Pipeline.Workers.Read != 3 || c.Pipeline.Queues.Plan != 9 || c.Node.TEPort != 17000 ||
+		c.Node.TEDataPort != 17001 || c.Node.Limits.SideChannelMaxConns != 100 || c.Node.Limits.SideChannelMaxConnsPerPeer != 10 {
 		t.Errorf("flags not applied: %+v", c)
 	}
 }

@@ -69,6 +69,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&n.Mooncake.NICPriorityMatrix, "mooncake-nic-priority-matrix", n.Mooncake.NICPriorityMatrix, "te_backend mooncake, rdma: JSON NIC priority matrix; empty = discover (node.mooncake.nic_priority_matrix)")
 	fs.StringVar(&n.TEHost, "te-host", n.TEHost, "transfer engine listen host; empty = side channel host (node.te_host)")
 	fs.IntVar(&n.TEPort, "te-port", n.TEPort, "transfer engine RPC port, 0 = any free (node.te_port)")
+	fs.IntVar(&n.TEDataPort, "te-data-port", n.TEDataPort, "transfer engine data port, 0 = any free; te_backend tcp or shm (node.te_data_port)")
 	fs.StringVar(&n.Control, "control", n.Control, "control socket endpoint; empty derives ipc:///tmp/kvflow-... (node.control)")
 	fs.StringVar(&n.MetricsAddr, "metrics-addr", n.MetricsAddr, "host:port of /metrics, /healthz, /readyz; empty = off (node.metrics_addr)")
 	fs.BoolVar(&n.Pprof, "pprof", n.Pprof, "also serve /debug/pprof/ on the metrics address (node.pprof)")
@@ -78,6 +79,8 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.IntVar(&l.TEMaxConns, "te-max-conns", l.TEMaxConns, "open connections per transfer-engine port (node.limits.te_max_conns)")
 	fs.IntVar(&l.TEMaxConnsPerPeer, "te-max-conns-per-peer", l.TEMaxConnsPerPeer, "connections per transfer-engine port from one address not yet past a valid first request, capped once the port is half full (node.limits.te_max_conns_per_peer)")
 	fs.IntVar(&l.FDReserve, "fd-reserve", l.FDReserve, "file descriptors kept free for control, side channel and HTTP; 0 = no check (node.limits.fd_reserve)")
+	fs.IntVar(&l.SideChannelMaxConns, "side-channel-max-conns", l.SideChannelMaxConns, "prefill: open connections of the side-channel port (node.limits.side_channel_max_conns)")
+	fs.IntVar(&l.SideChannelMaxConnsPerPeer, "side-channel-max-conns-per-peer", l.SideChannelMaxConnsPerPeer, "prefill: open connections of the side-channel port from one address (node.limits.side_channel_max_conns_per_peer)")
 	fs.IntVar(&l.HTTPMaxConns, "http-max-conns", l.HTTPMaxConns, "open connections of the metrics endpoint (node.limits.http_max_conns)")
 
 	c.registerStageFlags(fs)

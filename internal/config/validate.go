@@ -194,6 +194,15 @@ func (c Config) validateNode(v *validator) {
 	} else if n.TEPort != 0 && c.Role() != 0 && n.TEPort == c.HandshakePort() && c.TEHost() == n.SideChannelHost {
 		v.add("node.te_port", "%d is this worker's side-channel handshake port", n.TEPort)
 	}
+	switch {
+	case n.TEDataPort < 0 || n.TEDataPort > 65535:
+		v.add("node.te_data_port", "must be in 0..65535 (0 = pick a free port), got %d", n.TEDataPort)
+	case n.TEDataPort == 0:
+	case n.TEDataPort == n.TEPort:
+		v.add("node.te_data_port", "%d is also node.te_port: the transfer engine's RPC and data ports must differ", n.TEDataPort)
+	case c.Role() != 0 && n.TEDataPort == c.HandshakePort() && c.TEHost() == n.SideChannelHost:
+		v.add("node.te_data_port", "%d is this worker's side-channel handshake port", n.TEDataPort)
+	}
 	l := n.Limits
 	v.positive("node.limits.te_first_byte_timeout", l.TEFirstByteTimeout)
 	v.positive("node.limits.te_idle_timeout", l.TEIdleTimeout)
@@ -203,6 +212,12 @@ func (c Config) validateNode(v *validator) {
 		v.add("node.limits.te_max_conns_per_peer", "%d exceeds node.limits.te_max_conns (%d)", l.TEMaxConnsPerPeer, l.TEMaxConns)
 	}
 	v.atLeast("node.limits.fd_reserve", l.FDReserve, 0)
+	v.atLeast("node.limits.side_channel_max_conns", l.SideChannelMaxConns, 1)
+	v.atLeast("node.limits.side_channel_max_conns_per_peer", l.SideChannelMaxConnsPerPeer, 1)
+	if l.SideChannelMaxConnsPerPeer > l.SideChannelMaxConns && l.SideChannelMaxConns >= 1 {
+		v.add("node.limits.side_channel_max_conns_per_peer", "%d exceeds node.limits.side_channel_max_conns (%d)",
+			l.SideChannelMaxConnsPerPeer, l.SideChannelMaxConns)
+	}
 	v.atLeast("node.limits.http_max_conns", l.HTTPMaxConns, 1)
 	ep := c.ControlEndpoint()
 	switch {

@@ -62,7 +62,10 @@ func openEngine(cfg config.Config, deps Deps, log *slog.Logger) (mooncake.Engine
 	}
 	tc := mooncake.DefaultTCPConfig()
 	tc.Host = cfg.TEHost()
-	tc.RPCPort = cfg.Node.TEPort
+	// Both ports fixed (node.te_port, node.te_data_port) or 0: a free one.
+	// shm reads peers on other hosts over this engine, so they apply there
+	// too; mooncake picks its own (config.Validate refuses fixed ones).
+	tc.RPCPort, tc.DataPort = cfg.Node.TEPort, cfg.Node.TEDataPort
 	lim := cfg.Node.Limits
 	tc.FirstByteTimeout, tc.IdleTimeout = lim.TEFirstByteTimeout.D(), lim.TEIdleTimeout.D()
 	tc.MaxConns, tc.MaxConnsPerPeer, tc.FDReserve = lim.TEMaxConns, lim.TEMaxConnsPerPeer, lim.FDReserve
@@ -76,7 +79,9 @@ func openEngine(cfg config.Config, deps Deps, log *slog.Logger) (mooncake.Engine
 	tc.RequireAuth = cfg.DataPlaneAuth()
 	e, err := mooncake.NewTCPEngine(tc, deps.Registerer, log)
 	if err != nil {
-		return nil, err
+		// Name the keys: "listen data 10.0.0.2:17001: address already in
+		// use" alone does not say which setting to change.
+		return nil, fmt.Errorf("node.te_port %d, node.te_data_port %d: %w", tc.RPCPort, tc.DataPort, err)
 	}
 	return e, nil
 }

@@ -19,7 +19,8 @@ import (
 //
 // In that mode Mooncake picks its RPC port itself (at random in
 // MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, environment read once per process;
-// 15000–17000 by default): config.Validate refuses a fixed node.te_port.
+// 15000–17000 by default), and its data port too: config.Validate refuses
+// a fixed node.te_port or node.te_data_port.
 func openMooncake(cfg config.Config, deps Deps, log *slog.Logger) (mooncake.Engine, error) {
 	mc := mooncakec.DefaultCgoConfig()
 	mc.Host = cfg.TEHost()

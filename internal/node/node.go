@@ -288,6 +288,8 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 	// limits libzmq accepts until descriptors run out, and the control
 	// socket's next ipc accept then aborts the process.
 	sideLimits := sidechannel.DefaultLimits
+	sideLimits.MaxConns = cfg.Node.Limits.SideChannelMaxConns
+	sideLimits.MaxConnsPerPeer = cfg.Node.Limits.SideChannelMaxConnsPerPeer
 	sideLimits.FDReserve = cfg.Node.Limits.FDReserve
 	so := sidechannel.ServerOptions{
 		Addr:   net.JoinHostPort(cfg.Node.SideChannelHost, strconv.Itoa(cfg.HandshakePort())),

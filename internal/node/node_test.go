@@ -251,13 +251,21 @@ func TestEndToEnd(t *testing.T) {
 	}
 }
 
-// runEndToEnd moves six requests (one with empty block lists) from a
-// prefill instance to a decode instance of topology tc and checks every
-// byte, the stitch path taken, each prefill request freed exactly once and
-// the DONEs counted on both sides.
-func runEndToEnd(t *testing.T, tc topo) {
+// runEndToEnd starts a cluster of topology tc, runs moveAndCheck on it
+// and returns it (still running: the test's cleanup closes it).
+func runEndToEnd(t *testing.T, tc topo) *cluster {
 	t.Helper()
 	c := startCluster(t, tc)
+	moveAndCheck(t, c, tc)
+	return c
+}
+
+// moveAndCheck moves six requests (one with empty block lists) from the
+// prefill instance to the decode instance of c (topology tc) and checks
+// every byte, the stitch path taken, each prefill request freed exactly
+// once and the DONEs counted on both sides.
+func moveAndCheck(t *testing.T, c *cluster, tc topo) {
+	t.Helper()
 	if tc.shmMismatch {
 		replaceCacheFiles(t, c)
 	}

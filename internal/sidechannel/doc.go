@@ -19,8 +19,9 @@
 // that completes it forever. An outsider could so use up the process's
 // descriptors, and libzmq aborts the process when an ipc:// listener (the
 // control socket) then fails to accept. A Server with Limits (the node
-// always sets them) therefore owns its public port with a Go listener
-// (front.go) that admits at most Limits.MaxConns connections,
+// always sets them, from its config's node.limits) therefore owns its
+// public port with a Go listener (front.go) that admits at most
+// Limits.MaxConns connections,
 // MaxConnsPerPeer per IP (IPv6: per /64), none while fewer than FDReserve
 // descriptors are left (a relay costs three; bytes are copied through a
 // buffer, not spliced, which would cost four more), and cuts one that sends

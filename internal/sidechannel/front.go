@@ -40,8 +40,12 @@ type Limits struct {
 	FirstByteTimeout time.Duration
 }
 
-// DefaultLimits are the side channel's bounds: the transfer engine's
-// (hw/mooncake) connection caps and fd reserve, and its first-byte deadline.
+// DefaultLimits are the side channel's bounds: 4096 connections, 256 per
+// address, the transfer engine's (hw/mooncake) fd reserve and first-byte
+// deadline. A kvflow node takes the caps and the reserve from its config
+// (node.limits.side_channel_max_conns, side_channel_max_conns_per_peer
+// and fd_reserve), whose defaults are these numbers (internal/config says
+// why; a node test keeps the two equal).
 var DefaultLimits = Limits{MaxConns: 4096, MaxConnsPerPeer: 256, FDReserve: 256, FirstByteTimeout: 10 * time.Second}
 
 func (l Limits) withDefaults() Limits {

@@ -98,7 +98,7 @@ func engineConfig(o *options, target bool) mooncake.TCPConfig {
 	default:
 		c.Host, c.AdvertiseHost = "", host
 	}
-	c.RPCPort, c.Lanes, c.ChunkSize = port, o.lanes, o.chunkSize
+	c.RPCPort, c.Lanes, c.ChunkSize, c.NoEventLoop = port, o.lanes, o.chunkSize, o.noEventLoop
 	// The target serves a scratch buffer, not a cache, to initiators that
 	// may run --operation write (as Mooncake's transfer_engine_bench).
 	c.AcceptWrites = true

@@ -59,6 +59,7 @@ type options struct {
 	remoteAddr      uint64
 	lanes           int
 	chunkSize       int
+	noEventLoop     bool
 }
 
 func (o *options) register(fs *flag.FlagSet) {
@@ -82,6 +83,7 @@ func (o *options) register(fs *flag.FlagSet) {
 	fs.Uint64Var(&o.remoteAddr, "remote_addr", 0, "initiator: the target buffer's address (buffer_addr in its banner); 0 learns it from the target's segment descriptor")
 	fs.IntVar(&o.lanes, "te_lanes", te.Lanes, "transfer engine: persistent connections per peer")
 	fs.IntVar(&o.chunkSize, "te_chunk_size", te.ChunkSize, "transfer engine: largest request and socket I/O in bytes")
+	fs.BoolVar(&o.noEventLoop, "te_no_event_loop", false, "transfer engine: serve every data connection on a goroutine of its own, not on the data port's event loop (A/B runs)")
 }
 
 // validate checks the options and returns every problem; it also raises
