@@ -344,8 +344,12 @@ func TestDeadPeerClosedPort(t *testing.T) {
 			t.Errorf("%s: %v, want 0", c.name, got)
 		}
 	}
-	if got := r.metric("kvflow_notify_done_messages_total", map[string]string{"result": "undelivered"}); got != float64(r.downFter+1) {
-		t.Errorf("undelivered DONEs %v, want %d (each request's, none sent)", got, r.downFter+1)
+	// Each request refused skips its DONE; the one to the down peer is
+	// not sent either (undelivered, as every DONE to a down peer).
+	for result, want := range map[string]int{"skipped_refused": r.downFter, "undelivered": 1, "acked": 0} {
+		if got := r.metric("kvflow_notify_done_messages_total", map[string]string{"result": result}); got != float64(want) {
+			t.Errorf("DONEs %s: %v, want %d", result, got, want)
+		}
 	}
 }
 

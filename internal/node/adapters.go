@@ -8,8 +8,6 @@ import (
 	"strconv"
 	"syscall"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/kvflow/kvflow/hw/mooncake"
 	"github.com/kvflow/kvflow/hw/npu"
 	"github.com/kvflow/kvflow/internal/config"
@@ -25,21 +23,6 @@ var _ notify.BatchSender = (*sidechannel.Client)(nil)
 
 // The node's fetcher reaches a peer's port alongside each fetch.
 var _ handshake.Reacher = fetcher{}
-
-// Fetcher adapts a side-channel client to handshake.Fetcher. It ignores
-// data-plane credentials: with peers whose transfer engines require
-// authentication (auth.mode curve), use FetcherWithCredentials.
-func Fetcher(c *sidechannel.Client) handshake.Fetcher { return fetcher{c: c} }
-
-// FetcherWithCredentials is Fetcher that also hands e the data-plane
-// credential of every GET_META reply (Ext.TEAuth), as a node's decode
-// worker does.
-// Each transfer session keeps the credential of the side-channel endpoint
-// that first named it (see creds.go): another endpoint's reply naming it
-// fails the fetch.
-func FetcherWithCredentials(c *sidechannel.Client, e mooncake.PeerAuthenticator) handshake.Fetcher {
-	return fetcher{c: c, creds: e, owners: newCredOwners(prometheus.NewRegistry(), nil)}
-}
 
 // fetcher turns GET_META replies into job.Meta; with creds, it also hands
 // the transfer engine the data-plane credential each reply carries (or

@@ -26,6 +26,15 @@
 // job.ErrNoReply. A task's failure is returned as a job.PeerError naming
 // its rank, so peer health blames that rank only.
 //
+// Request boot epochs: before the compatibility check, Stage.Process
+// compares each task's metadata with the boot epoch the request's
+// kv_transfer_params name for that rank (kvflow_boot_epochs; a request or
+// a peer without one passes). On a mismatch, metadata cached before the
+// request's admission is re-fetched once (Cache.Refetch: the prefill may
+// have restarted and the request come from the new process); a mismatch
+// that remains fails the job (job.ErrBootEpoch) before any read, and the
+// job keeps that metadata so notify sends the rank no DONE.
+//
 // Leases: with Stage.Leases set, a job whose handshake ended is leased at
 // exactly the ranks whose metadata advertised leases (lease.Keeper.Add;
 // the plan stage already leased it at admission where it could).

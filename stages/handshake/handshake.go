@@ -457,6 +457,9 @@ func (s Stage) Process(ctx context.Context, j *job.Job) error {
 			j.Metas[i] = j.Metas[i-1]
 		}
 	}
+	if err := s.checkEpochs(ctx, j); err != nil {
+		return err
+	}
 	if s.Compat != nil {
 		for i := range j.Plan.Tasks {
 			if err := s.CheckTask(ctx, j, i); err != nil {
@@ -466,6 +469,45 @@ func (s Stage) Process(ctx context.Context, j *job.Job) error {
 	}
 	if s.Leases != nil {
 		s.Leases.Add(j)
+	}
+	return nil
+}
+
+// checkEpochs compares each task's metadata with the boot epoch the
+// request's kv_transfer_params give for its rank (kvflow_boot_epochs,
+// job.Job.CheckBootEpoch; a request without them passes as before).
+// Metadata cached before the request was admitted may be older than the
+// request (the prefill restarted and the request came from the new
+// process): on a mismatch it is fetched again, once for all the tasks
+// that share it (Cache.Refetch; metadata fetched after the admission is
+// taken as current). A mismatch that remains fails the job before any
+// byte is read, with the rank, both epochs and why (job.BootEpochError).
+// j.Metas keeps the answering process's metadata, so notify sends that
+// process no DONE (job.Job.OwesDone); when the re-fetch itself fails,
+// the stale metadata stays there and that rank gets no DONE either (it
+// frees at its abort timeout or lease expiry: never a DONE to a process
+// that may not own the request).
+func (s Stage) checkEpochs(ctx context.Context, j *job.Job) error {
+	if len(j.Req.BootEpochs) == 0 {
+		return nil
+	}
+	if err := j.CheckBootEpochs(); err != nil {
+		return err
+	}
+	for i := range j.Plan.Tasks {
+		m := j.Metas[i]
+		if j.CheckBootEpoch(i, m) == nil {
+			continue
+		}
+		fresh, err := s.Cache.Refetch(ctx, KeyOf(j, i), m, j.Submitted)
+		if err != nil {
+			return fmt.Errorf("handshake engine %q at %s: metadata of boot epoch %d, the request's is %d; re-fetching it: %w",
+				j.Plan.RemoteEngineID, j.HandshakeEndpoint(i), m.BootEpoch, j.RequestEpoch(i), err)
+		}
+		j.Metas[i] = fresh
+		if err := j.CheckBootEpoch(i, fresh); err != nil {
+			return fmt.Errorf("handshake engine %q: %w", j.Plan.RemoteEngineID, err)
+		}
 	}
 	return nil
 }

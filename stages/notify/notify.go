@@ -57,7 +57,13 @@ type Stage struct {
 // metrics are the notify stage's.
 type metrics struct {
 	sent, undelivered prometheus.Counter
-	batched           prometheus.Counter
+	// skipped: DONEs not sent because the rank restarted since the
+	// request was handed over (job.Job.OwesDone).
+	skipped prometheus.Counter
+	// refused: DONEs not sent because the rank's side-channel port
+	// refused this request's GET_META connection (doneAfter).
+	refused prometheus.Counter
+	batched prometheus.Counter
 	// shutdownDones keeps the name it had when the decode role sent
 	// these DONEs itself.
 	shutdownDones *prometheus.CounterVec
@@ -67,9 +73,11 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{}
 	dones := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_notify_done_messages_total",
-		Help: "DONE_RECVINGs (one per request and remote task, plain or in a batch) by result (acked, undelivered).",
+		Help: "DONE_RECVINGs (one per request and remote task, plain or in a batch) by result (acked, undelivered, skipped_restarted: not sent, the rank restarted since it handed the request over; skipped_refused: not sent, the rank's side-channel port refused the request's handshake).",
 	}, []string{"result"})
 	m.sent, m.undelivered = dones.WithLabelValues("acked"), dones.WithLabelValues("undelivered")
+	m.skipped = dones.WithLabelValues("skipped_restarted")
+	m.refused = dones.WithLabelValues("skipped_refused")
 	m.batched = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kvflow_notify_batched_dones_total",
 		Help: "DONE_RECVINGs sent through batched done_batch_msg (peers advertising batch_done), whatever their result; messages and ids per message are in kvflow_sidechannel_done_batch_ids.",
@@ -168,11 +176,18 @@ func (s *Stage) notify(ctx context.Context, j *job.Job, cause error) {
 	defer cancel()
 	var wg sync.WaitGroup
 	for i := range j.Plan.Tasks {
+		if !j.OwesDone(i) {
+			// The rank restarted since the request was handed over: the
+			// process answering never held it (job.Job.OwesDone).
+			s.m.skipped.Inc()
+			s.log.Info("DONE not sent: prefill restarted since the request was handed over", "request_id", j.Req.ID,
+				"endpoint", j.HandshakeEndpoint(i), "task", i, "boot_epoch", j.Metas[i].BootEpoch, "request_boot_epoch", j.RequestEpoch(i))
+			continue
+		}
 		ep := j.HandshakeEndpoint(i)
 		how := doneAfter(cause, ep)
 		if how == doneSkip {
-			s.m.undelivered.Inc()
-			j.DoneUndelivered.Add(1)
+			s.m.refused.Inc()
 			s.log.Info("DONE not sent: the rank's side-channel port refused this request's connection",
 				"request_id", j.Req.ID, "endpoint", ep, "task", i)
 			continue
@@ -229,6 +244,9 @@ func (s *Stage) End(r pipeline.Result[*job.Job]) {
 	// (plan.PrefillExpectedDones counts tasks).
 	o := owed{id: j.Req.ID}
 	for i := range j.Plan.Tasks {
+		if !j.OwesDone(i) {
+			continue // as notify: never a DONE to a process that did not hold it
+		}
 		o.endpoints = append(o.endpoints, j.HandshakeEndpoint(i))
 	}
 	s.mu.Lock()

@@ -18,7 +18,7 @@ import (
 
 // TestSilentPeerDone: after a failure, the DONE to a rank whose side
 // channel refused this request's GET_META is not sent (counted
-// undelivered), the one to a rank that did not answer it gets one
+// skipped_refused), the one to a rank that did not answer it gets one
 // attempt (a deadline of one attempt's timeout), every other rank's DONE
 // is sent with every attempt, whatever else failed.
 func TestSilentPeerDone(t *testing.T) {
@@ -78,8 +78,8 @@ func TestSilentPeerDone(t *testing.T) {
 					t.Fatalf("DONEs with one attempt's deadline to %v, want %v", once, tc.once)
 				}
 				skipped := 2 - len(tc.sent)
-				if int(j.DoneUndelivered.Load()) != skipped || testutil.ToFloat64(st.m.undelivered) != float64(skipped) {
-					t.Fatalf("undelivered %d / %v, want %d", j.DoneUndelivered.Load(), testutil.ToFloat64(st.m.undelivered), skipped)
+				if testutil.ToFloat64(st.m.refused) != float64(skipped) || testutil.ToFloat64(st.m.undelivered) != 0 {
+					t.Fatalf("skipped_refused %v, undelivered %v, want %d and 0", testutil.ToFloat64(st.m.refused), testutil.ToFloat64(st.m.undelivered), skipped)
 				}
 			})
 		})
