@@ -42,9 +42,10 @@
 //   - a rank that accepts and never answers: the GET_META keeps all its
 //     attempts (a slow but alive peer must still work), the requests
 //     waiting for it share that one fetch (handshake.Cache.GetSince), and
-//     the DONE after it gets one attempt instead of three: 4.3 s for the
-//     first request, 3.3 s for the second, down after 7.6 s one request
-//     at a time, after one fetch (3.3 s) when several wait together.
+//     the DONE after it gets one attempt instead of three: about 4.3 s
+//     for the first request and 3.2 s for the second, down after about
+//     7.5 s one request at a time (measured on loopback), after one fetch
+//     (3.2 s) when several wait together.
 //
 // Metrics: kvflow_peers_down (gauge), kvflow_peers_transitions_total{to}
 // (up, down), kvflow_peers_probes_total{result} — never a per-peer label.
