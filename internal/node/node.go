@@ -301,7 +301,14 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 	sideLimits := sidechannel.DefaultLimits
 	sideLimits.MaxConns = cfg.Node.Limits.SideChannelMaxConns
 	sideLimits.MaxConnsPerPeer = cfg.Node.Limits.SideChannelMaxConnsPerPeer
-	sideLimits.FDReserve = cfg.Node.Limits.FDReserve
+	// The side channel may use the upper half of the descriptor reserve
+	// the transfer engine leaves: a flood of the data port fills the
+	// process up to the reserve, and decodes must still reach GET_META
+	// (with the same threshold the side channel refused them until the
+	// flood's connections hit their first-byte timeout). A side-channel
+	// flood stops at half the reserve, which keeps the rest for the
+	// control socket and HTTP.
+	sideLimits.FDReserve = cfg.Node.Limits.FDReserve / 2
 	so := sidechannel.ServerOptions{
 		Addr:   net.JoinHostPort(cfg.Node.SideChannelHost, strconv.Itoa(cfg.HandshakePort())),
 		Curve:  n.Curve,
