@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"unsafe"
@@ -574,5 +575,65 @@ func TestOpenNeverBlocksOnAFIFO(t *testing.T) {
 		if _, err := Open(c, Options{BaseAddrs: p.host.BaseAddrs()}); !errors.Is(err, ErrMismatch) {
 			t.Errorf("table %v: %v", table, err)
 		}
+	}
+}
+
+// TestTableOpChecks: what every grant operation does before it touches a
+// word — an empty request is a no-op, even on a closed table; a block id
+// out of range fails the whole call and grants or revokes nothing (no
+// slot taken either); a closed table refuses everything else with
+// ErrClosed.
+func TestTableOpChecks(t *testing.T) {
+	n := testShape.NumBlocks
+	for _, tc := range []struct {
+		name   string
+		closed bool
+		op     func(tb *Table) error
+		want   string // "" no error, "closed": ErrClosed, else a substring
+	}{
+		{"grant out of range", false, func(tb *Table) error { return tb.Grant([]int{0, n}) }, fmt.Sprintf("block id %d out of range [0, %d)", n, n)},
+		{"revoke out of range", false, func(tb *Table) error { return tb.Revoke([]int{-1}) }, "block id -1 out of range"},
+		{"grant request out of range", false, func(tb *Table) error { return tb.GrantRequest("x", []int{1, n}) }, "out of range"},
+		{"revoke request out of range", false, func(tb *Table) error { return tb.RevokeRequest("x", []int{n}) }, "out of range"},
+		{"revoke request not held", false, func(tb *Table) error { return tb.RevokeRequest("x", []int{1}) }, `shm: revoke request "x": request not granted`},
+		{"empty grant request", false, func(tb *Table) error { return tb.GrantRequest("x", nil) }, ""},
+		{"empty grant request, closed", true, func(tb *Table) error { return tb.GrantRequest("x", nil) }, ""},
+		{"empty revoke request, closed", true, func(tb *Table) error { return tb.RevokeRequest("x", []int{}) }, ""},
+		{"grant, closed", true, func(tb *Table) error { return tb.Grant([]int{1}) }, "closed"},
+		{"empty grant, closed", true, func(tb *Table) error { return tb.Grant(nil) }, "closed"},
+		{"revoke, closed", true, func(tb *Table) error { return tb.Revoke([]int{1}) }, "closed"},
+		{"grant all, closed", true, (*Table).GrantAll, "closed"},
+		{"revoke all, closed", true, (*Table).RevokeAll, "closed"},
+		{"revoke all not granted", false, (*Table).RevokeAll, "not granted"},
+		{"grant request, closed", true, func(tb *Table) error { return tb.GrantRequest("x", []int{1}) }, "closed"},
+		{"grant request out of range, closed", true, func(tb *Table) error { return tb.GrantRequest("x", []int{n}) }, "closed"},
+		{"revoke request, closed", true, func(tb *Table) error { return tb.RevokeRequest("x", []int{1}) }, "closed"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tb, err := CreateTable(filepath.Join(t.TempDir(), "grants"), n, 0)
+			must(t, err)
+			defer tb.Close(false)
+			if tc.closed {
+				must(t, tb.Close(false))
+			}
+			err = tc.op(tb)
+			switch {
+			case tc.want == "" && err != nil, tc.want == "closed" && !errors.Is(err, ErrClosed),
+				tc.want != "" && tc.want != "closed" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+				t.Fatalf("err %v, want %q", err, tc.want)
+			}
+			if tc.closed {
+				return
+			}
+			// Nothing was granted: every block and request is free.
+			for _, b := range []int{0, 1} {
+				if err := tb.Revoke([]int{b}); err == nil {
+					t.Errorf("block %d was left granted", b)
+				}
+			}
+			if err := tb.RevokeRequest("x", []int{0}); err == nil {
+				t.Error("request x was left granted")
+			}
+		})
 	}
 }

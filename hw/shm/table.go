@@ -195,23 +195,15 @@ func (t *Table) Revoke(blocks []int) error { return t.each(blocks, release) }
 
 // GrantAll makes every block readable until the matching RevokeAll.
 func (t *Table) GrantAll() error {
-	t.mu.RLock()
-	defer t.mu.RUnlock()
-	if t.closed {
-		return ErrClosed
-	}
-	word(t.mem, offAll).Add(1)
-	return nil
+	return t.checked(nil, func() error {
+		word(t.mem, offAll).Add(1)
+		return nil
+	})
 }
 
 // RevokeAll ends one GrantAll.
 func (t *Table) RevokeAll() error {
-	t.mu.RLock()
-	defer t.mu.RUnlock()
-	if t.closed {
-		return ErrClosed
-	}
-	return release(word(t.mem, offAll))
+	return t.checked(nil, func() error { return release(word(t.mem, offAll)) })
 }
 
 func release(w *atomic.Uint64) error {
@@ -232,6 +224,13 @@ func release(w *atomic.Uint64) error {
 }
 
 func (t *Table) each(blocks []int, f func(*atomic.Uint64) error) error {
+	return t.checked(blocks, func() error { return t.eachLocked(blocks, f) })
+}
+
+// checked runs f with t.mu read-held, once the table is known to be open
+// and every block id in range (ErrClosed, or the range error, otherwise;
+// f does not run).
+func (t *Table) checked(blocks []int, f func() error) error {
 	t.mu.RLock()
 	defer t.mu.RUnlock()
 	if t.closed {
@@ -240,7 +239,7 @@ func (t *Table) each(blocks []int, f func(*atomic.Uint64) error) error {
 	if err := t.checkBlocks(blocks); err != nil {
 		return err
 	}
-	return t.eachLocked(blocks, f)
+	return f()
 }
 
 func (t *Table) checkBlocks(blocks []int) error {
@@ -330,62 +329,36 @@ func requestKey(id string) uint64 {
 // no slot. With every slot held by a live request it fails (and grants
 // nothing).
 func (t *Table) GrantRequest(id string, blocks []int) error {
-	if len(blocks) == 0 {
-		return nil
-	}
-	t.mu.RLock()
-	defer t.mu.RUnlock()
-	if t.closed {
-		return ErrClosed
-	}
-	if err := t.checkBlocks(blocks); err != nil {
-		return err
-	}
-	t.wmu.Lock()
-	w, err := t.slot(requestKey(id), true)
-	if err == nil {
-		for {
-			v := w.Load()
-			if uint32(v) == ^uint32(0) {
-				err = errors.New("shm: grant count overflow")
-				break
-			}
-			if w.CompareAndSwap(v, v+1) {
-				break
-			}
-		}
-	}
-	t.wmu.Unlock()
-	if err != nil {
-		return fmt.Errorf("shm: grant request %q: %w", id, err)
-	}
-	return t.eachLocked(blocks, grantWord)
+	return t.request("grant", id, blocks, true, grantWord)
 }
 
 // RevokeRequest ends one GrantRequest of id and blocks, at once.
 func (t *Table) RevokeRequest(id string, blocks []int) error {
+	return t.request("revoke", id, blocks, false, release)
+}
+
+// request is GrantRequest and RevokeRequest (op names which in errors):
+// f (grantWord or release) on id's slot word, taken when insert and id
+// has none, then, only if that succeeded, on every block's word. A
+// request with no blocks is a no-op, even on a closed table.
+func (t *Table) request(op, id string, blocks []int, insert bool, f func(*atomic.Uint64) error) error {
 	if len(blocks) == 0 {
 		return nil
 	}
-	t.mu.RLock()
-	defer t.mu.RUnlock()
-	if t.closed {
-		return ErrClosed
-	}
-	if err := t.checkBlocks(blocks); err != nil {
-		return err
-	}
-	t.wmu.Lock()
-	w, err := t.slot(requestKey(id), false)
-	if err == nil {
-		err = release(w)
-	}
-	t.wmu.Unlock()
-	if err != nil {
-		// Not held: its blocks' counts are other requests'.
-		return fmt.Errorf("shm: revoke request %q: %w", id, err)
-	}
-	return t.eachLocked(blocks, release)
+	return t.checked(blocks, func() error {
+		t.wmu.Lock()
+		w, err := t.slot(requestKey(id), insert)
+		if err == nil {
+			err = f(w)
+		}
+		t.wmu.Unlock()
+		if err != nil {
+			// Revoking a request not held: its blocks' counts are other
+			// requests', left alone.
+			return fmt.Errorf("shm: %s request %q: %w", op, id, err)
+		}
+		return t.eachLocked(blocks, f)
+	})
 }
 
 // slot finds key's slot word (t.wmu held); with insert, it takes the

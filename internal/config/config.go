@@ -269,8 +269,10 @@ type Limits struct {
 	TEMaxConnsPerPeer int `json:"te_max_conns_per_peer"`
 	// FDReserve keeps this many file descriptors free under the soft
 	// RLIMIT_NOFILE: beyond, new transfer-engine connections are refused
-	// so the control socket, the side channel and HTTP always have room.
-	// 0 turns the check off.
+	// so the control socket, the side channel and HTTP always have room;
+	// new side-channel connections are refused below half of it (a flood
+	// of either port leaves the control socket and HTTP room). 0 turns the
+	// check off.
 	FDReserve int `json:"fd_reserve"`
 	// SideChannelMaxConns caps the open connections of a prefill worker's
 	// side-channel port, SideChannelMaxConnsPerPeer those from one remote

@@ -26,7 +26,13 @@
 // fields. Required, as the seed reads them: request_id of every request;
 // local_block_ids and kv_transfer_params (remote_block_ids,
 // remote_engine_id, remote_host, remote_port) of a load; request_ids of an
-// abort. A message must be one msgpack map, nested at most 16 deep, with no
+// abort. kvflow's optional kv_transfer_params.kvflow_boot_epochs (the
+// prefill ranks' boot epochs when they handed the request over) must be an
+// array of integers: another type is an error naming the field; a negative
+// entry or more than decode.MaxBootEpochs is the load's own error (package
+// decode). A prefill's status reports its boot_epoch, which the engine's
+// scheduler puts there.
+// A message must be one msgpack map, nested at most 16 deep, with no
 // integer above 2^63-1. A request that is not exactly one non-empty frame
 // (after REQ's empty delimiter) never reaches the codec: it gets the side
 // channel's raw "ERR <reason>" reply, not msgpack.

@@ -24,6 +24,8 @@ func FuzzDecode(f *testing.F) {
 		m{"op": "finished"},
 		m{"op": "status", "x": []any{m{"y": nil}}},
 		m{"op": "load", "requests": []any{m{"request_id": "a"}}},
+		m{"op": "load", "requests": []any{m{"request_id": "a", "local_block_ids": []any{1}, "kv_transfer_params": m{
+			"remote_block_ids": []any{2}, "remote_engine_id": "e", "remote_host": "h", "remote_port": 1, "kvflow_boot_epochs": []any{-1, 0, 5}}}}},
 		[]any{"status"},
 	}
 	for _, s := range seeds {

@@ -9,10 +9,12 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvflow/kvflow/internal/tooling/testkit/fakes/leasefake"
 	"github.com/kvflow/kvflow/stages/conf"
 	"github.com/kvflow/kvflow/stages/handshake"
 	"github.com/kvflow/kvflow/stages/job"
@@ -59,7 +61,7 @@ func (f *peerFetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, e
 	if endpoint == ep(portStall) {
 		f.once.Do(func() { close(f.stalled) })
 		// Leased (so that it is never refused as a stale read either; long
-		// enough that the lease guard trusts it on a loaded machine).
+		// enough that the lease guard trusts it through the tests' sleeps).
 		m.EngineID, m.LeaseTTL, wait = "S", time.Second, f.stall
 	} else {
 		m.EngineID, m.LeaseTTL = "P", f.ttl
@@ -150,17 +152,9 @@ func warm(t *testing.T, w *Worker) {
 	}
 }
 
-// renewedFor reports whether a RENEW carried id.
-func renewedFor(f *fakeRenewer, id string) bool {
-	for _, c := range f.snapshot() {
-		if slices.Contains(c.ids, id) {
-			return true
-		}
-	}
-	return false
-}
-
 // waitEnded polls Finished until ids all ended and returns the failures.
+// Its callers run in a synctest bubble (inBubble): its deadline, on the
+// bubble's clock, only ends a hang.
 func waitEnded(t *testing.T, w *Worker, ids ...string) (done []string, failed []Failure) {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
@@ -183,6 +177,16 @@ func renewsIdle(w *Worker) func() bool {
 	return w.rn.Idle
 }
 
+// inBubble runs a test in a testing/synctest bubble: its clock moves
+// only when every goroutine of the worker is blocked, so the sleeps that
+// decide an outcome (a lease run out, an abort timeout passed) last exactly
+// as written however loaded the machine, and the test fails if a goroutine
+// of the worker outlives its Close (run by admissionWorker's cleanup,
+// inside the bubble).
+func inBubble(f func(t *testing.T)) func(t *testing.T) {
+	return func(t *testing.T) { synctest.Test(t, f) }
+}
+
 func waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(3 * time.Second)
@@ -199,9 +203,8 @@ func waitUntil(t *testing.T, what string, cond func() bool) {
 // fetch its admission started lands otherwise; never at a peer that
 // advertised no lease. Its lease ends with it.
 func TestLeaseAtAdmission(t *testing.T) {
-	// b is read after its renewals: its lease must be trusted then,
-	// however loaded the machine (renewed every 333 ms, trusted for 800 ms
-	// after each ACK).
+	// b is read after its renewals, on synctest's clock (renewed every
+	// 333 ms, trusted for 800 ms after each ACK).
 	const ttl = time.Second
 	for _, tc := range []struct {
 		name   string
@@ -214,9 +217,9 @@ func TestLeaseAtAdmission(t *testing.T) {
 		{"cached, no lease advertised", 0, true, false},
 		{"fetched, no lease advertised", 0, false, false},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
+		t.Run(tc.name, inBubble(func(t *testing.T) {
 			f := newPeerFetcher(tc.ttl)
-			rn := &fakeRenewer{}
+			rn := &leasefake.Renewer{}
 			var reads atomic.Int32
 			w, _ := admissionWorker(t, f, rn, &reads, StageSizes{})
 			if tc.cached {
@@ -229,8 +232,8 @@ func TestLeaseAtAdmission(t *testing.T) {
 				t.Fatalf("leased requests %d right after Load, want 1 (b, from the cache)", w.rn.Len())
 			}
 			time.Sleep(300 * time.Millisecond) // the first RENEW goes within 5 ms
-			if got := renewedFor(rn, "b"); got != tc.want {
-				t.Fatalf("b renewed while queued before its handshake: %v, want %v (calls %+v)", got, tc.want, rn.snapshot())
+			if got := rn.Carried("b"); got != tc.want {
+				t.Fatalf("b renewed while queued before its handshake: %v, want %v (calls %+v)", got, tc.want, rn.Calls())
 			}
 			if reads.Load() != 0 {
 				t.Fatal("b was read: it was not held before its handshake")
@@ -247,14 +250,14 @@ func TestLeaseAtAdmission(t *testing.T) {
 				t.Fatalf("%d requests still leased after they ended", w.rn.Len())
 			}
 			waitUntil(t, "no RENEW in flight", renewsIdle(w))
-			n := len(rn.snapshot())
+			n := len(rn.Calls())
 			time.Sleep(ttl/3 + 100*time.Millisecond) // a renewal period
-			for _, c := range rn.snapshot()[n:] {
-				if slices.Contains(c.ids, "b") || slices.Contains(c.ids, "stall") {
+			for _, c := range rn.Calls()[n:] {
+				if slices.Contains(c.IDs, "b") || slices.Contains(c.IDs, "stall") {
 					t.Fatalf("renewed after the requests ended: %+v", c)
 				}
 			}
-		})
+		}))
 	}
 }
 
@@ -267,14 +270,14 @@ func TestLeaseRemovedBeforeHandshake(t *testing.T) {
 	tight := StageSizes{Plan: StageSize{Workers: 1, Queue: 1}, Handshake: StageSize{Workers: 1, Queue: 1}, Read: StageSize{Workers: 1, Queue: 1}, Stitch: StageSize{Workers: 1, Queue: 1}, Notify: StageSize{Workers: 1, Queue: 1}}
 	for _, tc := range []struct {
 		name string
-		run  func(t *testing.T, w *Worker, f *peerFetcher, rn *fakeRenewer)
+		run  func(t *testing.T, w *Worker, f *peerFetcher, rn *leasefake.Renewer)
 	}{
-		{"leased from the cache, aborted while queued", func(t *testing.T, w *Worker, f *peerFetcher, rn *fakeRenewer) {
+		{"leased from the cache, aborted while queued", func(t *testing.T, w *Worker, f *peerFetcher, rn *leasefake.Renewer) {
 			warm(t, w)
 			mustLoad(t, w, loadReq("stall", portStall))
 			<-f.stalled
 			mustLoad(t, w, loadReq("b", portPeer))
-			waitUntil(t, "b renewed", func() bool { return renewedFor(rn, "b") })
+			waitUntil(t, "b renewed", func() bool { return rn.Carried("b") })
 			w.Abort([]string{"b"})
 			close(f.stall)
 			_, failed := waitEnded(t, w, "stall", "b")
@@ -282,7 +285,7 @@ func TestLeaseRemovedBeforeHandshake(t *testing.T) {
 				t.Fatalf("failed %+v, want b aborted", failed)
 			}
 		}},
-		{"pending on its fetch, aborted before it lands", func(t *testing.T, w *Worker, f *peerFetcher, rn *fakeRenewer) {
+		{"pending on its fetch, aborted before it lands", func(t *testing.T, w *Worker, f *peerFetcher, rn *leasefake.Renewer) {
 			f.gate = make(chan struct{})
 			mustLoad(t, w, loadReq("b", portPeer))
 			waitUntil(t, "the fetch", func() bool { return f.count(ep(portPeer)) == 1 })
@@ -293,7 +296,7 @@ func TestLeaseRemovedBeforeHandshake(t *testing.T) {
 			}
 			close(f.gate) // the fetch lands after b ended: nothing to lease
 		}},
-		{"its fetch fails", func(t *testing.T, w *Worker, f *peerFetcher, rn *fakeRenewer) {
+		{"its fetch fails", func(t *testing.T, w *Worker, f *peerFetcher, rn *leasefake.Renewer) {
 			f.err = errors.New("peer gone")
 			mustLoad(t, w, loadReq("b", portPeer))
 			_, failed := waitEnded(t, w, "b")
@@ -301,7 +304,7 @@ func TestLeaseRemovedBeforeHandshake(t *testing.T) {
 				t.Fatalf("failed %+v, want b failed by the fetch", failed)
 			}
 		}},
-		{"never submitted: pipeline full", func(t *testing.T, w *Worker, f *peerFetcher, rn *fakeRenewer) {
+		{"never submitted: pipeline full", func(t *testing.T, w *Worker, f *peerFetcher, rn *leasefake.Renewer) {
 			warm(t, w)
 			// stall holds the handshake worker; more stalled requests fill
 			// the queues until one cannot be submitted: then b cannot either.
@@ -310,8 +313,8 @@ func TestLeaseRemovedBeforeHandshake(t *testing.T) {
 			ids := []string{"stall"}
 			for i := 0; ; i++ {
 				id := fmt.Sprintf("s%d", i)
-				// Long enough that only a full pipeline, not a slow
-				// scheduler on a loaded machine, makes a Load wait it out.
+				// On synctest's clock only a full pipeline makes a Load
+				// wait this out.
 				ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 				err := w.Load(ctx, []LoadRequest{loadReq(id, portStall)})[0]
 				cancel()
@@ -325,16 +328,16 @@ func TestLeaseRemovedBeforeHandshake(t *testing.T) {
 			if err := w.Load(ctx, []LoadRequest{loadReq("b", portPeer)})[0]; !errors.Is(err, context.DeadlineExceeded) {
 				t.Fatalf("load b into a full pipeline: %v, want a deadline", err)
 			}
-			if !renewedFor(rn, "b") {
+			if !rn.Carried("b") {
 				t.Fatal("b not leased while its Submit waited")
 			}
 			close(f.stall)
 			waitEnded(t, w, ids...)
 		}},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
+		t.Run(tc.name, inBubble(func(t *testing.T) {
 			f := newPeerFetcher(ttl)
-			rn := &fakeRenewer{}
+			rn := &leasefake.Renewer{}
 			var reads atomic.Int32
 			sizes := StageSizes{}
 			if strings.Contains(tc.name, "pipeline full") {
@@ -343,10 +346,10 @@ func TestLeaseRemovedBeforeHandshake(t *testing.T) {
 			w, _ := admissionWorker(t, f, rn, &reads, sizes)
 			tc.run(t, w, f, rn)
 			waitUntil(t, "no RENEW in flight", renewsIdle(w)) // one in flight as b ended may carry it
-			n := len(rn.snapshot())
+			n := len(rn.Calls())
 			time.Sleep(2 * ttl)
-			for _, c := range rn.snapshot()[n:] {
-				if slices.Contains(c.ids, "b") {
+			for _, c := range rn.Calls()[n:] {
+				if slices.Contains(c.IDs, "b") {
 					t.Fatalf("b renewed after it ended: %+v", c)
 				}
 			}
@@ -354,7 +357,7 @@ func TestLeaseRemovedBeforeHandshake(t *testing.T) {
 			if leased != 0 || pending != 0 || pendingOf != 0 {
 				t.Fatalf("after every request ended: %d leased, %d fetches pending (%d requests)", leased, pending, pendingOf)
 			}
-		})
+		}))
 	}
 }
 

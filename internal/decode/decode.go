@@ -31,7 +31,19 @@ type KVTransferParams struct {
 	RemotePort     int    `msgpack:"remote_port" json:"remote_port"`
 	RemotePCPSize  int    `msgpack:"remote_pcp_size" json:"remote_pcp_size"`
 	RemoteDCPSize  int    `msgpack:"remote_dcp_size" json:"remote_dcp_size"`
+	// BootEpochs is kvflow's optional kvflow_boot_epochs: entry r is the
+	// boot epoch of the prefill rank at remote_port + r when it handed the
+	// request over, 0 where its scheduler did not know it. A kvflow decode
+	// fails the request, reading nothing, when a rank's metadata carries
+	// another epoch (the rank restarted: job.ErrBootEpoch); absent (a seed
+	// prefill), nothing is compared. Signed on the wire so that a negative
+	// value is refused (validate), not wrapped.
+	BootEpochs []int64 `msgpack:"kvflow_boot_epochs,omitempty" json:"kvflow_boot_epochs,omitempty"`
 }
+
+// MaxBootEpochs bounds kvflow_boot_epochs: one entry per prefill rank of
+// an instance, whose side-channel ports are all below 65536.
+const MaxBootEpochs = 65535
 
 // LoadRequest asks for one request's blocks to be pulled.
 type LoadRequest struct {
@@ -323,6 +335,7 @@ func (w *Worker) load(ctx context.Context, r LoadRequest) error {
 		RemoteEngineID: r.Params.RemoteEngineID,
 		RemotePCPSize:  max(1, r.Params.RemotePCPSize),
 		RemoteDCPSize:  max(1, r.Params.RemoteDCPSize),
+		BootEpochs:     bootEpochs(r.Params.BootEpochs),
 	}, time.Now())
 	w.mu.Lock()
 	if _, dup := w.inflight[r.RequestID]; dup {
@@ -365,10 +378,32 @@ func validate(r LoadRequest) error {
 	if p.RemotePCPSize < 0 || p.RemoteDCPSize < 0 {
 		errs = append(errs, fmt.Errorf("kv_transfer_params.remote_pcp_size/remote_dcp_size: negative (%d, %d)", p.RemotePCPSize, p.RemoteDCPSize))
 	}
+	if n := len(p.BootEpochs); n > MaxBootEpochs {
+		errs = append(errs, fmt.Errorf("kv_transfer_params.kvflow_boot_epochs: %d entries, at most %d (one per prefill rank)", n, MaxBootEpochs))
+	}
+	for i, e := range p.BootEpochs {
+		if e < 0 {
+			errs = append(errs, fmt.Errorf("kv_transfer_params.kvflow_boot_epochs[%d]: negative boot epoch %d", i, e))
+			break
+		}
+	}
 	if len(errs) > 0 {
 		return fmt.Errorf("load %q: %w: %w", r.RequestID, ErrInvalid, errors.Join(errs...))
 	}
 	return nil
+}
+
+// bootEpochs converts validated kvflow_boot_epochs (none negative); nil
+// stays nil (no epochs: nothing compared).
+func bootEpochs(in []int64) []uint64 {
+	if len(in) == 0 {
+		return nil
+	}
+	out := make([]uint64, len(in))
+	for i, e := range in {
+		out[i] = uint64(e)
+	}
+	return out
 }
 
 // Abort cancels in-flight requests; each still ends exactly once (failed,

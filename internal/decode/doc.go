@@ -31,7 +31,20 @@
 // so a slow or wedged prefill rank holds only its share of their workers
 // and queues (Options.Peers); with Options.Health, a peer marked down has
 // its requests fail at once at handshake and read (reason peer_down) and
-// its DONEs skipped until a probe finds it back.
+// its DONEs skipped until a probe finds it back. A failure counts only
+// against the rank whose hop failed (job.PeerError, job.Blame), never
+// against the other ranks of the request, and a failure that is not a
+// peer's (abort, shutdown, plan, a lease or stale read here, a stall
+// refusal) against none (health.go).
+//
+// A request whose kv_transfer_params carry kvflow_boot_epochs (a kvflow
+// prefill's scheduler adds them) fails, reason peer_restarted, without a
+// byte read, when a prefill rank's metadata shows another boot epoch: the
+// rank restarted since the hand-over and its blocks are gone, even if this
+// worker first met the rank after the restart (job.Job.CheckBootEpoch, in
+// the handshake and read stages); that rank gets no DONE
+// (job.Job.OwesDone). Params without them (a seed prefill) are read as
+// before.
 //
 // Every loaded request ends exactly once, in Finished's done list or in its
 // failed list with the request's local block ids and a reason — never both,

@@ -3,69 +3,17 @@ package decode
 import (
 	"context"
 	"errors"
-	"slices"
-	"sync"
 	"testing"
 	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvflow/kvflow/internal/tooling/testkit/fakes/leasefake"
 	"github.com/kvflow/kvflow/stages/job"
 	"github.com/kvflow/kvflow/stages/plan"
 	"github.com/kvflow/kvflow/stages/read"
 )
-
-type renewCall struct {
-	at       time.Time
-	endpoint string
-	ids      []string
-}
-
-type fakeRenewer struct {
-	mu    sync.Mutex
-	calls []renewCall
-	block map[string]bool // endpoints whose calls wait for ctx
-}
-
-func (f *fakeRenewer) Renew(ctx context.Context, endpoint string, ids []string) error {
-	f.mu.Lock()
-	f.calls = append(f.calls, renewCall{time.Now(), endpoint, slices.Clone(ids)})
-	block := f.block[endpoint]
-	f.mu.Unlock()
-	if block {
-		<-ctx.Done()
-		return ctx.Err()
-	}
-	return nil
-}
-
-func (f *fakeRenewer) snapshot() []renewCall {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return slices.Clone(f.calls)
-}
-
-func (f *fakeRenewer) to(endpoint string) []renewCall {
-	var out []renewCall
-	for _, c := range f.snapshot() {
-		if c.endpoint == endpoint {
-			out = append(out, c)
-		}
-	}
-	return out
-}
-
-// leaseJob is a job whose task i goes to 127.0.0.1:ports[i], advertising ttls[i].
-func leaseJob(id string, ports []int, ttls []time.Duration) *job.Job {
-	j := job.New(plan.Request{ID: id}, time.Now())
-	j.Plan = plan.Plan{RequestID: id, RemoteHost: "127.0.0.1"}
-	for i, p := range ports {
-		j.Plan.Tasks = append(j.Plan.Tasks, plan.Task{HandshakePort: p})
-		j.Metas = append(j.Metas, job.Meta{LeaseTTL: ttls[i]})
-	}
-	return j
-}
 
 // TestWorkerLeases: the worker renews between handshake and the end of a
 // request, and stops when it is closed.
@@ -76,7 +24,7 @@ func TestWorkerLeases(t *testing.T) {
 }
 
 func testWorkerLeases(t *testing.T) {
-	f := &fakeRenewer{}
+	f := &leasefake.Renewer{}
 	release := make(chan struct{})
 	w, err := New(Options{
 		Topology: plan.Topology{
@@ -110,7 +58,7 @@ func testWorkerLeases(t *testing.T) {
 		t.Fatal(errs[0])
 	}
 	time.Sleep(200 * time.Millisecond)
-	if n := len(f.snapshot()); n < 2 {
+	if n := len(f.Calls()); n < 2 {
 		t.Fatalf("%d renewals while the read is stuck", n)
 	}
 	close(release)
@@ -122,9 +70,9 @@ func testWorkerLeases(t *testing.T) {
 	if len(done)+len(failed) != 1 {
 		t.Fatalf("done %v failed %v", done, failed)
 	}
-	n := len(f.snapshot())
+	n := len(f.Calls())
 	time.Sleep(100 * time.Millisecond)
-	if got := len(f.snapshot()); got > n+1 {
+	if got := len(f.Calls()); got > n+1 {
 		t.Fatalf("renewals after the request ended: %d -> %d", n, got)
 	}
 	if err := w.Close(context.Background()); err != nil && !errors.Is(err, context.Canceled) {

@@ -19,7 +19,7 @@ var failureReasons = []string{
 	"timeout",        // a deadline passed (request, read.timeout, handshake)
 	"incompatible",   // the peer's cache or topology differs (compatibility check)
 	"stale",          // refused as a stale read (abort timeout passed, lease lost)
-	"peer_restarted", // the prefill rank restarted and lost the request's blocks
+	"peer_restarted", // the prefill rank restarted and lost the request's blocks (or booted after the epoch its kv_transfer_params name)
 	"short_read",     // the byte ledger showed ops not fully landed
 	"peer_down",      // its prefill peer was marked down (failed in a row; probed until it answers)
 	"peer_stalled",   // its prefill peer's queue and the stage's park budget were full and none of its reads (DONEs) succeeded for the adaptive stall time
@@ -45,7 +45,7 @@ func failureReason(err error, stage string) string {
 		return "incompatible"
 	case errors.Is(err, ErrStaleRead):
 		return "stale"
-	case errors.Is(err, read.ErrPeerRestarted):
+	case errors.Is(err, read.ErrPeerRestarted), errors.Is(err, job.ErrBootEpoch):
 		return "peer_restarted"
 	case errors.Is(err, read.ErrShortfall):
 		return "short_read"

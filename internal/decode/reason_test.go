@@ -29,6 +29,7 @@ func TestFailureReason(t *testing.T) {
 		{wrap("read", ErrLeaseLost), "read", "stale"},
 		{wrap("read", ErrStaleRead), "read", "stale"},
 		{wrap("read", fmt.Errorf("%w; peer closed", read.ErrPeerRestarted)), "read", "peer_restarted"},
+		{wrap("handshake", fmt.Errorf("handshake engine %q: %w", "P", &job.BootEpochError{Endpoint: "h:1", Now: 6, Request: 5})), "handshake", "peer_restarted"},
 		{wrap("read", read.ErrShortfall), "read", "short_read"},
 		{wrap("read", context.DeadlineExceeded), "read", "timeout"},
 		{wrap("handshake", errors.New("get_meta: no reply")), "handshake", "handshake"},

@@ -6,8 +6,11 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/kvflow/kvflow/internal/tooling/testkit/fakes/leasefake"
 )
 
 // TestCloseReleasesCanceled: requests Close cancels before their notify
@@ -15,6 +18,11 @@ import (
 // their DONEs sent at shutdown, to every rank they read; a request whose
 // own DONE was under way and one already done get no second one.
 func TestCloseReleasesCanceled(t *testing.T) {
+	// On synctest's clock: no wall-clock deadline decides it.
+	synctest.Test(t, testCloseReleasesCanceled)
+}
+
+func testCloseReleasesCanceled(t *testing.T) {
 	var mu sync.Mutex
 	sent := map[string][]string{} // request id → endpoints, every SendDone
 	blockN := make(chan struct{})
@@ -33,7 +41,7 @@ func TestCloseReleasesCanceled(t *testing.T) {
 	})
 	f := newPeerFetcher(0)
 	var reads atomic.Int32
-	w, reg := admissionWorker(t, f, &fakeRenewer{}, &reads, StageSizes{}, func(o *Options) { o.Sender = sender })
+	w, reg := admissionWorker(t, f, &leasefake.Renewer{}, &reads, StageSizes{}, func(o *Options) { o.Sender = sender })
 	warm(t, w)
 	mustLoad(t, w, loadReq("done", portPeer))
 	waitEnded(t, w, "done")

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/kvflow/kvflow/internal/peers"
@@ -78,6 +79,19 @@ func (p *restartingPeer) Capabilities() read.Capabilities {
 	}}
 }
 
+// bootEra moves synctest's clock, which starts at 2000-01-01, to 2026:
+// the restarting peer's boot epochs are taken from the clock, and stages/read
+// reads an epoch before 2017 as no boot time at all.
+func bootEra() {
+	time.Sleep(time.Until(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)))
+}
+
+// tick lets a millisecond pass on synctest's clock, where steps taken
+// without a wait happen at one instant: the metadata cached, the restart
+// and the admissions happen in this order at distinct times, as on a real
+// clock.
+func tick() { time.Sleep(time.Millisecond) }
+
 func restartWorker(t *testing.T, p *restartingPeer, opts ...func(*Options)) *Worker {
 	t.Helper()
 	w, _ := admissionWorker(t, p, nil, new(atomic.Int32), DefaultStageSizes(), append([]func(*Options){func(o *Options) {
@@ -101,10 +115,18 @@ func loadN(t *testing.T, w *Worker, prefix string, n int) []string {
 // each request's first read fails on the old session, and all of them
 // together cost one GET_META; each is read again and ends done.
 func TestRestartBeforeAdmissionOneRefetch(t *testing.T) {
+	// On synctest's clock: no wall-clock deadline decides it.
+	synctest.Test(t, testRestartBeforeAdmissionOneRefetch)
+}
+
+func testRestartBeforeAdmissionOneRefetch(t *testing.T) {
+	bootEra()
 	p := newRestartingPeer(time.Now().Add(-time.Hour))
 	w := restartWorker(t, p)
 	warm(t, w)
+	tick()
 	p.restart(time.Now())
+	tick()
 	ids := loadN(t, w, "r", 16)
 	done, failed := waitEnded(t, w, ids...)
 	if len(done) != len(ids) {
@@ -120,6 +142,12 @@ func TestRestartBeforeAdmissionOneRefetch(t *testing.T) {
 // gone. Each fails, naming the restart, and is never read from the new
 // process; one GET_META serves them all.
 func TestRestartAfterAdmissionFails(t *testing.T) {
+	// On synctest's clock: the reads are all held when the peer restarts.
+	synctest.Test(t, testRestartAfterAdmissionFails)
+}
+
+func testRestartAfterAdmissionFails(t *testing.T) {
+	bootEra()
 	p := newRestartingPeer(time.Now().Add(-time.Hour))
 	// Every read worker may read this one peer.
 	w := restartWorker(t, p, func(o *Options) {
@@ -127,19 +155,19 @@ func TestRestartAfterAdmissionFails(t *testing.T) {
 		o.Peers.ReadWorkers = DefaultStageSizes().Read.Workers
 	})
 	warm(t, w)
+	tick()
 	gate := make(chan struct{})
 	p.mu.Lock()
 	p.gate = gate
 	p.mu.Unlock()
 	ids := loadN(t, w, "r", 16)
 	// Every read stage worker (or every request, when there are more
-	// workers) holds a read on the old session.
-	for deadline := time.Now().Add(5 * time.Second); p.waiting.Load() < int32(min(len(ids), DefaultStageSizes().Read.Workers)); {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d reads started", p.waiting.Load())
-		}
-		time.Sleep(time.Millisecond)
+	// workers) holds a read on the old session once the worker is idle.
+	synctest.Wait()
+	if n := p.waiting.Load(); n < int32(min(len(ids), DefaultStageSizes().Read.Workers)) {
+		t.Fatalf("%d reads started", n)
 	}
+	tick()
 	p.restart(time.Now())
 	close(gate)
 	done, failed := waitEnded(t, w, ids...)
@@ -159,21 +187,27 @@ func TestRestartAfterAdmissionFails(t *testing.T) {
 // A retry is a read like any other: past the prefill's abort timeout, at a
 // rank without a lease, it is refused as a stale read.
 func TestRetryRefusedPastAbortTimeout(t *testing.T) {
+	// On synctest's clock: the read runs exactly 2×abort past its start.
+	synctest.Test(t, testRetryRefusedPastAbortTimeout)
+}
+
+func testRetryRefusedPastAbortTimeout(t *testing.T) {
+	bootEra()
 	const abort = 50 * time.Millisecond
 	p := newRestartingPeer(time.Now().Add(-time.Hour))
 	w := restartWorker(t, p, func(o *Options) { o.PeerAbortTimeout = abort })
 	warm(t, w)
+	tick()
 	p.restart(time.Now())
+	tick()
 	gate := make(chan struct{})
 	p.mu.Lock()
 	p.gate = gate
 	p.mu.Unlock()
 	mustLoad(t, w, loadReq("slow", portPeer))
-	for deadline := time.Now().Add(5 * time.Second); p.waiting.Load() < 1; {
-		if time.Now().After(deadline) {
-			t.Fatal("read did not start")
-		}
-		time.Sleep(time.Millisecond)
+	synctest.Wait()
+	if p.waiting.Load() < 1 {
+		t.Fatal("read did not start")
 	}
 	time.Sleep(2 * abort) // the first read runs past the abort timeout
 	p.mu.Lock()

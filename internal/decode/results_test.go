@@ -3,13 +3,21 @@ package decode
 import (
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
+
+	"github.com/kvflow/kvflow/internal/tooling/testkit/fakes/leasefake"
 )
 
 // TestFinishedBound: results not polled beyond MaxFinished are dropped,
 // oldest done ones first, and counted; the rest are still reported.
 func TestFinishedBound(t *testing.T) {
+	// On synctest's clock: no wall-clock deadline decides it.
+	synctest.Test(t, testFinishedBound)
+}
+
+func testFinishedBound(t *testing.T) {
 	var reads atomic.Int32
-	w, _ := admissionWorker(t, newPeerFetcher(0), &fakeRenewer{}, &reads, StageSizes{}, func(o *Options) { o.MaxFinished = 2 })
+	w, _ := admissionWorker(t, newPeerFetcher(0), &leasefake.Renewer{}, &reads, StageSizes{}, func(o *Options) { o.MaxFinished = 2 })
 	ids := []string{"a", "b", "c", "d", "e"}
 	for _, id := range ids {
 		mustLoad(t, w, loadReq(id, portPeer))

@@ -10,6 +10,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/kvflow/kvflow/internal/tooling/testkit/fakes/leasefake"
 	"github.com/kvflow/kvflow/stages/plan"
 )
 
@@ -26,15 +27,15 @@ func TestWorkerStaleReadGuard(t *testing.T) {
 		{"no lease: refused", 0, true},
 		{"leased: read", time.Second, false},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
+		t.Run(tc.name, inBubble(func(t *testing.T) {
 			f := newPeerFetcher(tc.ttl)
 			var reads atomic.Int32
-			w, reg := admissionWorker(t, f, &fakeRenewer{}, &reads, StageSizes{}, func(o *Options) { o.PeerAbortTimeout = abort })
+			w, reg := admissionWorker(t, f, &leasefake.Renewer{}, &reads, StageSizes{}, func(o *Options) { o.PeerAbortTimeout = abort })
 			warm(t, w)
 			mustLoad(t, w, loadReq("stall", portStall))
 			<-f.stalled
 			mustLoad(t, w, loadReq("b", portPeer))
-			time.Sleep(2 * abort)
+			time.Sleep(2 * abort) // synctest's clock: exactly 2×abort, however loaded the machine
 			close(f.stall)
 			done, failed := waitEnded(t, w, "stall", "b")
 			refused := w.counter(t, "kvflow_decode_stale_reads_refused_total", "")
@@ -54,19 +55,8 @@ func TestWorkerStaleReadGuard(t *testing.T) {
 			if n, err := testutil.GatherAndCount(reg, "kvflow_decode_stale_reads_refused_total"); err != nil || n != 1 {
 				t.Fatalf("metric: %d series, %v", n, err)
 			}
-		})
+		}))
 	}
-}
-
-// cutRenewer acknowledges RENEWs until cut is set, then fails them (the
-// side channel is gone).
-type cutRenewer struct{ cut atomic.Bool }
-
-func (c *cutRenewer) Renew(ctx context.Context, _ string, _ []string) error {
-	if c.cut.Load() {
-		return errors.New("side channel cut")
-	}
-	return nil
 }
 
 // A read that started while the lease held and ended after it may have
@@ -74,6 +64,8 @@ func (c *cutRenewer) Renew(ctx context.Context, _ string, _ []string) error {
 // reused the blocks while they were read. With RENEWs acknowledged the
 // same long read ends done.
 func TestLeaseLostDuringRead(t *testing.T) {
+	// On synctest's clock (the read is held exactly as long as the test
+	// says, however loaded the machine).
 	const ttl = time.Second // renewed every 333 ms, trusted for 800 ms after an ACK
 	for _, tc := range []struct {
 		name string
@@ -82,8 +74,8 @@ func TestLeaseLostDuringRead(t *testing.T) {
 		{"renewals fail during the read", true},
 		{"renewals acknowledged", false},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			rn := &cutRenewer{}
+		t.Run(tc.name, inBubble(func(t *testing.T) {
+			rn := &leasefake.Renewer{}
 			started, release := make(chan struct{}), make(chan struct{})
 			w, reg := admissionWorker(t, newPeerFetcher(ttl), rn, new(atomic.Int32), StageSizes{}, func(o *Options) {
 				o.Transfer = transferFunc(func(ctx context.Context, _ string, _ []plan.Op) error {
@@ -98,21 +90,22 @@ func TestLeaseLostDuringRead(t *testing.T) {
 			})
 			mustLoad(t, w, loadReq("r", portPeer))
 			<-started
-			rn.cut.Store(tc.cut)
-			// Hold the read until the lease is no longer trusted (cut), or
-			// for longer than a TTL with renewals going.
-			start := time.Now()
-			for deadline := start.Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
-				h, ok := w.rn.LeaseOf("r", ep(portPeer))
-				if !ok {
-					t.Fatal("r not leased")
-				}
-				if tc.cut && (h.Lapsed || time.Now().After(h.Until())) || !tc.cut && time.Since(start) > ttl+ttl/5 {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatalf("hold %+v still trusted", h)
-				}
+			// On synctest's clock nothing has run past the read's start:
+			// the first RENEW (due renewCoalesce after admission) is still
+			// to go, and it fails when cut.
+			if tc.cut {
+				rn.SetErr(errors.New("side channel cut"))
+			}
+			// Hold the read for longer than a TTL: the lease is no longer
+			// trusted when no RENEW was acknowledged (cut), and still
+			// trusted when they were (renewed every TTL/3).
+			time.Sleep(ttl + ttl/5)
+			h, ok := w.rn.LeaseOf("r", ep(portPeer))
+			if !ok {
+				t.Fatal("r not leased")
+			}
+			if trusted := !h.Lapsed && time.Now().Before(h.Until()); trusted == tc.cut {
+				t.Fatalf("hold %+v trusted %v after %v, want %v", h, trusted, ttl+ttl/5, !tc.cut)
 			}
 			close(release)
 			done, failed := waitEnded(t, w, "r")
@@ -129,6 +122,6 @@ func TestLeaseLostDuringRead(t *testing.T) {
 			if n, err := testutil.GatherAndCount(reg, "kvflow_decode_lease_lost_reads_total"); err != nil || n != 1 || lost != 1 {
 				t.Fatalf("metric: %d series, %v lost, %v", n, lost, err)
 			}
-		})
+		}))
 	}
 }

@@ -2,11 +2,11 @@ package node
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"strconv"
-
-	"github.com/prometheus/client_golang/prometheus"
+	"syscall"
 
 	"github.com/kvflow/kvflow/hw/mooncake"
 	"github.com/kvflow/kvflow/hw/npu"
@@ -21,20 +21,8 @@ import (
 // The side-channel client is the notify stage's Sender, with batched DONEs.
 var _ notify.BatchSender = (*sidechannel.Client)(nil)
 
-// Fetcher adapts a side-channel client to handshake.Fetcher. It ignores
-// data-plane credentials: with peers whose transfer engines require
-// authentication (auth.mode curve), use FetcherWithCredentials.
-func Fetcher(c *sidechannel.Client) handshake.Fetcher { return fetcher{c: c} }
-
-// FetcherWithCredentials is Fetcher that also hands e the data-plane
-// credential of every GET_META reply (Ext.TEAuth), as a node's decode
-// worker does.
-// Each transfer session keeps the credential of the side-channel endpoint
-// that first named it (see creds.go): another endpoint's reply naming it
-// fails the fetch.
-func FetcherWithCredentials(c *sidechannel.Client, e mooncake.PeerAuthenticator) handshake.Fetcher {
-	return fetcher{c: c, creds: e, owners: newCredOwners(prometheus.NewRegistry(), nil)}
-}
+// The node's fetcher reaches a peer's port alongside each fetch.
+var _ handshake.Reacher = fetcher{}
 
 // fetcher turns GET_META replies into job.Meta; with creds, it also hands
 // the transfer engine the data-plane credential each reply carries (or
@@ -47,6 +35,22 @@ type fetcher struct {
 	sh     *sameHost   // node.te_backend shm: takes each reply's same-host claim
 }
 
+// Reach is handshake.Reacher: it connects to endpoint's side-channel port
+// and closes the connection before sending a byte (a kvflow prefill's
+// front drops it without a word). A refused connection is job.ErrRefused:
+// the handshake fails at once instead of after every attempt's timeout.
+func (f fetcher) Reach(ctx context.Context, endpoint string) error {
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "tcp", endpoint)
+	if err != nil {
+		if errors.Is(err, syscall.ECONNREFUSED) {
+			return fmt.Errorf("side channel %s: %w: %w", endpoint, job.ErrRefused, err)
+		}
+		return err
+	}
+	return c.Close()
+}
+
 // credentialSetter is the TCP engine's side of data-plane authentication.
 type credentialSetter interface {
 	SetPeerCredential(session string, cred *mooncake.Credential) error
@@ -55,6 +59,9 @@ type credentialSetter interface {
 func (f fetcher) GetMeta(ctx context.Context, endpoint string) (job.Meta, error) {
 	m, err := f.c.GetMeta(ctx, endpoint)
 	if err != nil {
+		if errors.Is(err, sidechannel.ErrTimeout) {
+			err = job.Mark(err, job.ErrNoReply) // the notify stage sends its DONE once
+		}
 		return job.Meta{}, err
 	}
 	// A lease shorter than any kvflow prefill may advertise would have this

@@ -55,7 +55,7 @@ func TestDoneNegotiation(t *testing.T) {
 		}
 		host, portStr, _ := net.SplitHostPort(s.Addr())
 		port, _ := strconv.Atoi(portStr)
-		meta, err := Fetcher(c).GetMeta(context.Background(), s.Addr())
+		meta, err := fetcher{c: c}.GetMeta(context.Background(), s.Addr())
 		if err != nil || meta.BatchDone != advertise {
 			t.Fatalf("advertise=%v: meta %+v %v", advertise, meta, err)
 		}

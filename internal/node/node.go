@@ -19,6 +19,7 @@ import (
 	"github.com/kvflow/kvflow/internal/peers"
 	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/sidechannel"
+	"github.com/kvflow/kvflow/stages/handshake"
 	"github.com/kvflow/kvflow/stages/plan"
 	"github.com/kvflow/kvflow/stages/read"
 )
@@ -51,10 +52,19 @@ type Node struct {
 	// client of its own (own socket pool), so each call gets its own
 	// section's retries and a burst of one kind never waits for sockets
 	// held by the other.
-	Notify  *sidechannel.Client
-	Server  *sidechannel.Server
-	Decode  *decode.Worker
-	Prefill *prefill.Worker
+	Notify *sidechannel.Client
+	// Fetcher and Transfer (decode) are the decode worker's GET_META and
+	// read interfaces as this node built them: each GET_META reply's
+	// data-plane credential handed to Engine (auth.mode curve), its
+	// transfer session owned by the side-channel endpoint that first named
+	// it (creds.go), its same-host claim taken (te_backend shm). A decode
+	// worker built outside the node (the soak's) uses these so that it
+	// reads as the node's own would.
+	Fetcher  handshake.Fetcher
+	Transfer read.Transfer
+	Server   *sidechannel.Server
+	Decode   *decode.Worker
+	Prefill  *prefill.Worker
 	// Peers (decode) is the prefill peers' health, served at /debug/peers.
 	Peers *peers.Tracker
 	// Curve is the side channel's CURVE configuration when auth.mode is
@@ -175,6 +185,7 @@ func (n *Node) startDecode(log *slog.Logger, layout npu.Layout) error {
 		n.closers = append(n.closers, func(context.Context) error { return sh.Close() })
 		fetch.sh, transfer = sh, sh
 	}
+	n.Fetcher, n.Transfer = fetch, transfer
 	w, err := decode.New(decode.Options{
 		Topology:         cfg.Topology(),
 		Self:             cfg.Self(),
@@ -290,7 +301,14 @@ func (n *Node) startPrefill(log *slog.Logger) error {
 	sideLimits := sidechannel.DefaultLimits
 	sideLimits.MaxConns = cfg.Node.Limits.SideChannelMaxConns
 	sideLimits.MaxConnsPerPeer = cfg.Node.Limits.SideChannelMaxConnsPerPeer
-	sideLimits.FDReserve = cfg.Node.Limits.FDReserve
+	// The side channel may use the upper half of the descriptor reserve
+	// the transfer engine leaves: a flood of the data port fills the
+	// process up to the reserve, and decodes must still reach GET_META
+	// (with the same threshold the side channel refused them until the
+	// flood's connections hit their first-byte timeout). A side-channel
+	// flood stops at half the reserve, which keeps the rest for the
+	// control socket and HTTP.
+	sideLimits.FDReserve = cfg.Node.Limits.FDReserve / 2
 	so := sidechannel.ServerOptions{
 		Addr:   net.JoinHostPort(cfg.Node.SideChannelHost, strconv.Itoa(cfg.HandshakePort())),
 		Curve:  n.Curve,

@@ -54,8 +54,9 @@ func TestPeerDownAndBack(t *testing.T) {
 	c.prefill[0].Close(ctx)
 	cancel()
 
-	// Three requests fail the slow way (the read, a re-fetch of the
-	// metadata, its timeouts) and mark the peer down.
+	// Three requests fail (the read: the transfer engine's port is gone;
+	// the re-fetch of the metadata: its side-channel port refuses at once)
+	// and mark the peer down.
 	var slowest time.Duration
 	for i := range 3 {
 		if err := load(t, d, fmt.Sprint("dead-", i), []int{2 + i}, []int{2}, c.kvPort, "P"); err != nil {
@@ -85,10 +86,10 @@ func TestPeerDownAndBack(t *testing.T) {
 	if r.Err == nil || !strings.Contains(r.Err.Error(), "peer down") || !strings.Contains(r.Err.Error(), endpoint) {
 		t.Fatalf("request to a down peer: %+v", r)
 	}
+	// Its failure came from the health check, before any fetch or read
+	// (peer_down): no wall-clock comparison with the failures before,
+	// which a closed port makes as quick (the refused re-fetch).
 	t.Logf("while down: failed after %v (the failures that marked it down took up to %v): %v", r.Latency, slowest, r.Err)
-	if r.Latency*5 > slowest {
-		t.Fatalf("request to a down peer took %v, the slow failures %v: not fast", r.Latency, slowest)
-	}
 
 	// Back: the probe finds it.
 	p := restartPrefill(t, c, 0, true)

@@ -164,8 +164,10 @@ func TestRetriesFollowConfig(t *testing.T) {
 		// delays its reply past the attempt timeout.
 		want map[wire.Kind]int
 	}{
-		// The handshake fails; the failed job still sends a plain DONE.
-		{name: "get_meta unanswered", want: map[wire.Kind]int{wire.KindGetMeta: handshakeAttempts, wire.KindDoneRecving: notifyAttempts}},
+		// The handshake fails; the failed job still sends a plain DONE,
+		// with one attempt: the side channel just answered none of the
+		// GET_META's (notify's doneAfter).
+		{name: "get_meta unanswered", want: map[wire.Kind]int{wire.KindGetMeta: handshakeAttempts, wire.KindDoneRecving: 1}},
 		{name: "done unanswered", meta: meta(false), want: map[wire.Kind]int{wire.KindGetMeta: -1, wire.KindDoneRecving: notifyAttempts}},
 		{name: "batched done unanswered", meta: meta(true), want: map[wire.Kind]int{wire.KindGetMeta: -1, wire.KindDoneBatch: notifyAttempts}},
 		{name: "renew unanswered", call: func(ctx context.Context, ep string) error { return d.Notify.Renew(ctx, ep, []string{"r"}) },

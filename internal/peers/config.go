@@ -43,9 +43,11 @@ type Config struct {
 	NotifyQueue   int           `json:"notify_queue"`
 	NotifyPark    int           `json:"notify_park"`
 	NotifyStall   conf.Duration `json:"notify_stall"`
-	// DownAfter failed or timed-out reads or DONEs in a row mark a peer
-	// down: its requests then fail at once (reason peer_down) until a
-	// GET_META probe, every ProbeInterval, answers.
+	// DownAfter failed or timed-out handshakes, reads or DONEs in a row
+	// (each counted against the peer whose hop failed; stall refusals do
+	// not count, see the package doc) mark a peer down: its requests then
+	// fail at once (reason peer_down) until a GET_META probe, every
+	// ProbeInterval, answers.
 	DownAfter     int           `json:"down_after"`
 	ProbeInterval conf.Duration `json:"probe_interval"`
 }

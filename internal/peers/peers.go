@@ -41,8 +41,9 @@ type Probe func(ctx context.Context, endpoint string) error
 
 // Options configures a Tracker.
 type Options struct {
-	// DownAfter consecutive failures (reads or DONEs failed or timed out)
-	// mark a peer down.
+	// DownAfter consecutive failures (handshakes, reads or DONEs failed or
+	// timed out, each blamed on its own peer: see the package doc) mark a
+	// peer down.
 	DownAfter int
 	// ProbeInterval: how often a down peer is probed (Probe).
 	ProbeInterval time.Duration

@@ -562,12 +562,19 @@ func (w *Worker) uncollected(st tracker.Stats) int {
 
 // Status is a snapshot for the control socket: held requests (leased: those
 // a decode renewed), freed ones the engine has not collected yet
-// (uncollected), and whether the worker is draining.
+// (uncollected), whether the worker is draining, and its boot epoch
+// (boot_epoch: what its metadata sends; the engine's scheduler puts it in
+// the kv_transfer_params it hands decode, as kvflow_boot_epochs).
 func (w *Worker) Status() map[string]any {
 	st := w.tr.Stats()
 	return map[string]any{"held": st.Held, "leased": st.Leased, "uncollected": w.uncollected(st), "early_dones": st.Early, "draining": w.draining.Load(),
-		"engine_id": w.opts.Metadata.EngineID, "num_blocks": w.opts.Metadata.NumBlocks, "te_rpc_port": w.opts.Metadata.TERPCPort}
+		"engine_id": w.opts.Metadata.EngineID, "num_blocks": w.opts.Metadata.NumBlocks, "te_rpc_port": w.opts.Metadata.TERPCPort,
+		"boot_epoch": w.opts.Metadata.Ext.BootEpoch}
 }
+
+// BootEpoch is the epoch this worker's metadata sends (its start time in
+// unix nanoseconds unless the node was given one): a restart changes it.
+func (w *Worker) BootEpoch() uint64 { return w.opts.Metadata.Ext.BootEpoch }
 
 // earlyQuorum is how many early DONEs (DONEs before the engine's send)
 // free a request on prefill rank self: the DONEs of a request large enough

@@ -20,7 +20,11 @@
 //   - RequestFinished: only a do_remote_decode request finished by length
 //     cap is handed over; with blocks their free is delayed and the request
 //     queued to send at Clock(); the params are the seed's nine keys, in its
-//     order (Handover).
+//     order (Handover), plus kvflow's optional kvflow_boot_epochs last
+//     when Rules.BootEpochs is set (each prefill rank's boot epoch, from
+//     its status: a kvflow decode refuses a request whose rank restarted
+//     since; a seed decode ignores the key). BuildMeta passes a request's
+//     kvflow_boot_epochs on (Recv.BootEpochs).
 //
 // Where kvflow differs from the seed (each tested):
 //

@@ -2,6 +2,8 @@ package sched
 
 import (
 	"fmt"
+	"math"
+	"slices"
 	"time"
 )
 
@@ -31,6 +33,10 @@ type Recv struct {
 	RemotePort     int
 	RemotePCPSize  int
 	RemoteDCPSize  int
+	// BootEpochs is kvflow's kvflow_boot_epochs from the params (nil
+	// without it); an entry that is not a whole number >= 0 is -1, which
+	// the decode worker refuses naming the field.
+	BootEpochs []int64
 }
 
 // Send is one request whose blocks are held for decode since
@@ -60,6 +66,10 @@ type Handover struct {
 	RemotePCPSize   int    `json:"remote_pcp_size" msgpack:"remote_pcp_size"`
 	RemoteDCPSize   int    `json:"remote_dcp_size" msgpack:"remote_dcp_size"`
 	LastTokenID     int    `json:"last_token_id" msgpack:"last_token_id"`
+	// BootEpochs is kvflow's optional extra key, after the seed's nine:
+	// Rules.BootEpochs when set (absent otherwise, so the params are the
+	// seed's exactly). A seed decode ignores it.
+	BootEpochs []uint64 `json:"kvflow_boot_epochs,omitempty" msgpack:"kvflow_boot_epochs,omitempty"`
 }
 
 // Rules is one instance's scheduler-side state. Set the exported fields,
@@ -73,6 +83,12 @@ type Rules struct {
 	DCPSize   int // 0 means 1
 	// Clock gives delay_start_time; nil means time.Now.
 	Clock func() float64
+	// BootEpochs, when set, are this instance's prefill ranks' boot
+	// epochs (entry r: the rank at Port + r, from its worker's status;
+	// 0 where unknown), handed over as kvflow_boot_epochs so a decode
+	// fails a request whose rank has restarted since instead of reading
+	// the new process's blocks. Refresh it when a rank restarts.
+	BootEpochs []uint64
 
 	recv     []queued
 	send     []Send
@@ -166,7 +182,7 @@ func (s *Rules) BuildMeta() Meta {
 			RequestID: q.req.ID, LocalBlockIDs: q.local, RemoteBlockIDs: ints(p["remote_block_ids"]),
 			RemoteEngineID: str(p["remote_engine_id"]), RemoteHost: str(p["remote_host"]),
 			RemotePort: num(p["remote_port"], 0), RemotePCPSize: num(p["remote_pcp_size"], 1),
-			RemoteDCPSize: num(p["remote_dcp_size"], 1),
+			RemoteDCPSize: num(p["remote_dcp_size"], 1), BootEpochs: epochs(p["kvflow_boot_epochs"]),
 		})
 		if len(q.local) > 0 {
 			if s.loading == nil {
@@ -222,7 +238,17 @@ func (s *Rules) RequestFinished(r *Request, blocks []int) (bool, *Handover) {
 	return delay, &Handover{
 		DoRemotePrefill: true, RemoteBlockIDs: blocks, RemoteEngineID: s.EngineID, RemoteHost: s.Host,
 		RemotePort: s.Port, RemotePCPSize: max(s.PCPSize, 1), RemoteDCPSize: max(s.DCPSize, 1), LastTokenID: last,
+		BootEpochs: s.handedEpochs(),
 	}
+}
+
+// handedEpochs is a copy of BootEpochs to hand over, nil when none is
+// known (all 0): then the params are the seed's exactly.
+func (s *Rules) handedEpochs() []uint64 {
+	if !slices.ContainsFunc(s.BootEpochs, func(e uint64) bool { return e != 0 }) {
+		return nil
+	}
+	return slices.Clone(s.BootEpochs)
 }
 
 func (s *Rules) now() float64 {
@@ -235,12 +261,16 @@ func (s *Rules) now() float64 {
 // Params returns a Handover as the map a decode request carries
 // (kv_transfer_params), for handing it to another Rules.
 func (h *Handover) Params() map[string]any {
-	return map[string]any{
+	p := map[string]any{
 		"do_remote_prefill": h.DoRemotePrefill, "do_remote_decode": h.DoRemoteDecode,
 		"remote_block_ids": append([]int(nil), h.RemoteBlockIDs...), "remote_engine_id": h.RemoteEngineID,
 		"remote_host": h.RemoteHost, "remote_port": h.RemotePort, "remote_pcp_size": h.RemotePCPSize,
 		"remote_dcp_size": h.RemoteDCPSize, "last_token_id": h.LastTokenID,
 	}
+	if len(h.BootEpochs) > 0 {
+		p["kvflow_boot_epochs"] = slices.Clone(h.BootEpochs)
+	}
+	return p
 }
 
 // truthy is Python's truth value for decoded JSON/msgpack values.
@@ -296,6 +326,49 @@ func num(v any, def int) int {
 		return int(x)
 	}
 	return def
+}
+
+// epochs reads kvflow_boot_epochs as decoded from JSON or msgpack: nil
+// when absent or nil; an entry that is not a whole number >= 0 (or a list
+// that is not one) gives -1 entries, which the decode worker refuses
+// naming the field rather than this pure state machine erroring.
+func epochs(v any) []int64 {
+	switch x := v.(type) {
+	case nil:
+		return nil
+	case []uint64:
+		out := make([]int64, len(x))
+		for i, e := range x {
+			out[i] = -1
+			if e <= math.MaxInt64 {
+				out[i] = int64(e)
+			}
+		}
+		return out
+	case []int64:
+		return slices.Clone(x)
+	case []any:
+		out := make([]int64, len(x))
+		for i, e := range x {
+			out[i] = -1
+			switch n := e.(type) {
+			case int:
+				out[i] = max(int64(n), -1)
+			case int64:
+				out[i] = max(n, -1)
+			case uint64:
+				if n <= math.MaxInt64 {
+					out[i] = int64(n)
+				}
+			case float64:
+				if n >= 0 && n <= math.MaxInt64 && n == math.Trunc(n) {
+					out[i] = int64(n)
+				}
+			}
+		}
+		return out
+	}
+	return []int64{-1}
 }
 
 func str(v any) string {

@@ -35,6 +35,7 @@ type casesFile struct {
 			Blocks    []int           `json:"blocks"`
 			IDs       []string        `json:"ids"`
 			Key       string          `json:"key"`
+			Epochs    []uint64        `json:"epochs"`
 			Want      json.RawMessage `json:"want"`
 			WantError string          `json:"want_error"`
 		} `json:"ops"`
@@ -56,6 +57,7 @@ type recvJSON struct {
 	Port   int     `json:"port"`
 	PCP    int     `json:"pcp"`
 	DCP    int     `json:"dcp"`
+	Epochs []int64 `json:"boot_epochs,omitempty"`
 }
 
 func TestSharedCases(t *testing.T) {
@@ -97,6 +99,8 @@ func TestSharedCases(t *testing.T) {
 					s.FinishedRecving(op.IDs)
 				case "param":
 					got = reqs[op.Req].Params[op.Key]
+				case "boot_epochs":
+					s.BootEpochs = op.Epochs
 				default:
 					t.Fatalf("op %d: unknown op %q", i, op.Op)
 				}
@@ -129,7 +133,7 @@ func toJSON(m Meta) metaJSON {
 			host = nil // the seed passes a null remote_host through (keys are checked, not values)
 		}
 		out.Requests = append(out.Requests, recvJSON{r.RequestID, r.LocalBlockIDs, r.RemoteBlockIDs, r.RemoteEngineID,
-			host, r.RemotePort, r.RemotePCPSize, r.RemoteDCPSize})
+			host, r.RemotePort, r.RemotePCPSize, r.RemoteDCPSize, r.BootEpochs})
 	}
 	for _, s := range m.Sends {
 		out.ToSend = append(out.ToSend, [2]any{s.RequestID, s.DelayStartTime})
@@ -177,5 +181,48 @@ func TestHandoverRoundTrip(t *testing.T) {
 		RemoteHost: "10.0.0.1", RemotePort: 30004, RemotePCPSize: 1, RemoteDCPSize: 1}
 	if len(m.Recvs) != 1 || !reflect.DeepEqual(m.Recvs[0], want) {
 		t.Fatalf("recvs %+v", m.Recvs)
+	}
+}
+
+// TestBootEpochsRoundTrip: the prefill's kvflow_boot_epochs reach the
+// decode's Recv as they were handed over (msgpack/JSON decoded forms
+// alike); anything that is not a list of whole numbers >= 0 becomes -1
+// entries, which the decode worker refuses naming the field.
+func TestBootEpochsRoundTrip(t *testing.T) {
+	p := &Rules{EngineID: "p", Host: "h", Port: 30000, BlockSize: 4, BootEpochs: []uint64{1764870000123456789, 0}}
+	_, h := p.RequestFinished(&Request{ID: "r", Params: map[string]any{"do_remote_decode": true}, PromptLen: 4,
+		OutputTokenIDs: []int{1}, Status: StatusLengthCapped}, []int{3})
+	params := h.Params()
+	p.BootEpochs[0] = 1 // the hand-over holds its own copy
+	for _, tc := range []struct {
+		name string
+		v    any
+		want []int64
+	}{
+		{"handed over", params["kvflow_boot_epochs"], []int64{1764870000123456789, 0}},
+		{"absent", nil, nil},
+		{"msgpack ints", []any{int64(5), uint64(6), 7}, []int64{5, 6, 7}},
+		{"JSON numbers", []any{5.0, 0.0}, []int64{5, 0}},
+		{"negative", []any{int64(-3)}, []int64{-1}},
+		{"fraction", []any{1.5}, []int64{-1}},
+		{"string entry", []any{"5"}, []int64{-1}},
+		{"not a list", "5", []int64{-1}},
+		{"too big", []uint64{1 << 63}, []int64{-1}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d := &Rules{BlockSize: 4}
+			r := &Request{ID: "r", PromptLen: 4, Params: map[string]any{"do_remote_prefill": true, "remote_block_ids": []any{3},
+				"remote_engine_id": "p", "remote_host": "h", "remote_port": 30000}}
+			if tc.v != nil {
+				r.Params["kvflow_boot_epochs"] = tc.v
+			}
+			if err := d.AfterAlloc(r, []int{9}, 4); err != nil {
+				t.Fatal(err)
+			}
+			got := d.BuildMeta().Recvs[0].BootEpochs
+			if !reflect.DeepEqual(got, tc.want) {
+				t.Fatalf("Recv.BootEpochs %v, want %v", got, tc.want)
+			}
+		})
 	}
 }

@@ -17,6 +17,24 @@
 // metadata is checked for compatibility like any other. A peer whose boot
 // epoch changed is also re-fetched.
 //
+// A fetcher with the Reacher capability (the node's side-channel adapter)
+// also connects to the peer's port alongside each fetch: a refused
+// connection (nothing listens) fails the fetch at once with job.ErrRefused
+// instead of after every attempt's timeout; a port that accepts leaves
+// the fetch to its attempts, so a slow but alive peer still answers. A
+// fetch cut by its own bound (the attempts' timeouts) is marked
+// job.ErrNoReply. A task's failure is returned as a job.PeerError naming
+// its rank, so peer health blames that rank only.
+//
+// Request boot epochs: before the compatibility check, Stage.Process
+// compares each task's metadata with the boot epoch the request's
+// kv_transfer_params name for that rank (kvflow_boot_epochs; a request or
+// a peer without one passes). On a mismatch, metadata cached before the
+// request's admission is re-fetched once (Cache.Refetch: the prefill may
+// have restarted and the request come from the new process); a mismatch
+// that remains fails the job (job.ErrBootEpoch) before any read, and the
+// job keeps that metadata so notify sends the rank no DONE.
+//
 // Leases: with Stage.Leases set, a job whose handshake ended is leased at
 // exactly the ranks whose metadata advertised leases (lease.Keeper.Add;
 // the plan stage already leased it at admission where it could).

@@ -30,6 +30,17 @@ func (f FetcherFunc) GetMeta(ctx context.Context, endpoint string) (job.Meta, er
 	return f(ctx, endpoint)
 }
 
+// Reacher is an optional capability of a Fetcher (discovered once, in
+// NewCache): Reach opens a connection to endpoint's port and closes it at
+// once, and returns an error wrapping job.ErrRefused when the port refused
+// it (nothing listens there). The cache reaches for the peer alongside
+// every fetch, so that a fetch from a closed port fails at once instead of
+// after all its attempts' timeouts, while a peer that accepts and is slow
+// to answer keeps every attempt.
+type Reacher interface {
+	Reach(ctx context.Context, endpoint string) error
+}
+
 // Key names a remote rank's side channel.
 type Key struct {
 	EngineID string
@@ -62,6 +73,7 @@ var (
 // Cache is the bounded, deduplicating metadata cache.
 type Cache struct {
 	f    Fetcher
+	r    Reacher // f's, or nil
 	opts Options
 	sf   singleflight.Group
 
@@ -117,6 +129,7 @@ func NewCache(f Fetcher, opts Options) (*Cache, error) {
 		opts.Now = time.Now
 	}
 	c := &Cache{f: f, opts: opts, lru: list.New(), idx: map[Key]*list.Element{}, fails: map[Key]failure{}, refused: map[Key]refusal{}}
+	c.r, _ = f.(Reacher)
 	lookups := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_handshake_cache_lookups_total",
 		Help: "Metadata cache lookups by result (hit, miss, failed_while_waiting: the peer's fetch failed after the request was admitted).",
@@ -195,7 +208,11 @@ func (c *Cache) GetSince(ctx context.Context, k Key, since time.Time) (job.Meta,
 		// share it. It is bounded by the timeout instead.
 		fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.opts.Timeout)
 		defer cancel()
-		m, err := c.f.GetMeta(fctx, k.Endpoint)
+		m, err := c.getMeta(fctx, k.Endpoint)
+		if err != nil && errors.Is(fctx.Err(), context.DeadlineExceeded) {
+			// The fetch's bound is its attempts' timeouts: none answered.
+			err = job.Mark(err, job.ErrNoReply)
+		}
 		if err != nil {
 			c.errs.Inc()
 			err = fmt.Errorf("handshake engine %q at %s: %w", k.EngineID, k.Endpoint, err)
@@ -223,6 +240,35 @@ func (c *Cache) GetSince(ctx context.Context, k Key, since time.Time) (job.Meta,
 	case <-ctx.Done():
 		return job.Meta{}, fmt.Errorf("handshake engine %q at %s: %w", k.EngineID, k.Endpoint, context.Cause(ctx))
 	}
+}
+
+// getMeta is one fetch from endpoint. With a Reacher the peer's port is
+// reached alongside: when it refuses the connection the fetch is canceled
+// and fails at once with that refusal (job.ErrRefused); any other outcome
+// of the reach (connected, a timeout, an unreachable network) leaves the
+// fetch to its own attempts and timeouts.
+func (c *Cache) getMeta(ctx context.Context, endpoint string) (job.Meta, error) {
+	if c.r == nil {
+		return c.f.GetMeta(ctx, endpoint)
+	}
+	ctx, cancel := context.WithCancelCause(ctx)
+	var wg sync.WaitGroup
+	defer func() {
+		cancel(nil) // a reach still dialing ends with ctx
+		wg.Wait()
+	}()
+	wg.Go(func() {
+		if err := c.r.Reach(ctx, endpoint); errors.Is(err, job.ErrRefused) {
+			cancel(err)
+		}
+	})
+	m, err := c.f.GetMeta(ctx, endpoint)
+	if err != nil {
+		if cause := context.Cause(ctx); errors.Is(cause, job.ErrRefused) {
+			return job.Meta{}, cause
+		}
+	}
+	return m, err
 }
 
 // Cached returns k's metadata if it is cached and valid, without fetching
@@ -399,7 +445,7 @@ func (s Stage) Process(ctx context.Context, j *job.Job) error {
 		g.Go(func() error {
 			m, err := s.Cache.GetSince(gctx, k, j.Submitted)
 			j.Metas[i] = m
-			return err
+			return job.AtPeer(job.HopHandshake, k.Endpoint, err)
 		})
 	}
 	if err := g.Wait(); err != nil {
@@ -411,6 +457,9 @@ func (s Stage) Process(ctx context.Context, j *job.Job) error {
 			j.Metas[i] = j.Metas[i-1]
 		}
 	}
+	if err := s.checkEpochs(ctx, j); err != nil {
+		return err
+	}
 	if s.Compat != nil {
 		for i := range j.Plan.Tasks {
 			if err := s.CheckTask(ctx, j, i); err != nil {
@@ -420,6 +469,45 @@ func (s Stage) Process(ctx context.Context, j *job.Job) error {
 	}
 	if s.Leases != nil {
 		s.Leases.Add(j)
+	}
+	return nil
+}
+
+// checkEpochs compares each task's metadata with the boot epoch the
+// request's kv_transfer_params give for its rank (kvflow_boot_epochs,
+// job.Job.CheckBootEpoch; a request without them passes as before).
+// Metadata cached before the request was admitted may be older than the
+// request (the prefill restarted and the request came from the new
+// process): on a mismatch it is fetched again, once for all the tasks
+// that share it (Cache.Refetch; metadata fetched after the admission is
+// taken as current). A mismatch that remains fails the job before any
+// byte is read, with the rank, both epochs and why (job.BootEpochError).
+// j.Metas keeps the answering process's metadata, so notify sends that
+// process no DONE (job.Job.OwesDone); when the re-fetch itself fails,
+// the stale metadata stays there and that rank gets no DONE either (it
+// frees at its abort timeout or lease expiry: never a DONE to a process
+// that may not own the request).
+func (s Stage) checkEpochs(ctx context.Context, j *job.Job) error {
+	if len(j.Req.BootEpochs) == 0 {
+		return nil
+	}
+	if err := j.CheckBootEpochs(); err != nil {
+		return err
+	}
+	for i := range j.Plan.Tasks {
+		m := j.Metas[i]
+		if j.CheckBootEpoch(i, m) == nil {
+			continue
+		}
+		fresh, err := s.Cache.Refetch(ctx, KeyOf(j, i), m, j.Submitted)
+		if err != nil {
+			return fmt.Errorf("handshake engine %q at %s: metadata of boot epoch %d, the request's is %d; re-fetching it: %w",
+				j.Plan.RemoteEngineID, j.HandshakeEndpoint(i), m.BootEpoch, j.RequestEpoch(i), err)
+		}
+		j.Metas[i] = fresh
+		if err := j.CheckBootEpoch(i, fresh); err != nil {
+			return fmt.Errorf("handshake engine %q: %w", j.Plan.RemoteEngineID, err)
+		}
 	}
 	return nil
 }
@@ -460,7 +548,8 @@ func (s Stage) CheckTask(ctx context.Context, j *job.Job, i int) error {
 	if err == nil {
 		return nil
 	}
-	err = fmt.Errorf("handshake engine %q at %s: %w", j.Plan.RemoteEngineID, j.HandshakeEndpoint(i), err)
+	err = job.AtPeer(job.HopHandshake, j.HandshakeEndpoint(i),
+		fmt.Errorf("handshake engine %q at %s: %w", j.Plan.RemoteEngineID, j.HandshakeEndpoint(i), err))
 	if s.Compat.observe(err) {
 		// Not cached as good: fetching it again fails the same
 		// way until the peer's metadata changes.

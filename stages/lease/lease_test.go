@@ -1,59 +1,18 @@
 package lease
 
 import (
-	"context"
 	"log/slog"
 	"slices"
-	"sync"
 	"testing"
 	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvflow/kvflow/internal/tooling/testkit/fakes/leasefake"
 	"github.com/kvflow/kvflow/stages/job"
 	"github.com/kvflow/kvflow/stages/plan"
 )
-
-type renewCall struct {
-	at       time.Time
-	endpoint string
-	ids      []string
-}
-
-type fakeRenewer struct {
-	mu    sync.Mutex
-	calls []renewCall
-	block map[string]bool // endpoints whose calls wait for ctx
-}
-
-func (f *fakeRenewer) Renew(ctx context.Context, endpoint string, ids []string) error {
-	f.mu.Lock()
-	f.calls = append(f.calls, renewCall{time.Now(), endpoint, slices.Clone(ids)})
-	block := f.block[endpoint]
-	f.mu.Unlock()
-	if block {
-		<-ctx.Done()
-		return ctx.Err()
-	}
-	return nil
-}
-
-func (f *fakeRenewer) snapshot() []renewCall {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return slices.Clone(f.calls)
-}
-
-func (f *fakeRenewer) to(endpoint string) []renewCall {
-	var out []renewCall
-	for _, c := range f.snapshot() {
-		if c.endpoint == endpoint {
-			out = append(out, c)
-		}
-	}
-	return out
-}
 
 // leaseJob is a job whose task i goes to 127.0.0.1:ports[i], advertising ttls[i].
 func leaseJob(id string, ports []int, ttls []time.Duration) *job.Job {
@@ -74,7 +33,7 @@ func TestRenewer(t *testing.T) {
 
 func testRenewer(t *testing.T) {
 	const ttl = 150 * time.Millisecond
-	f := &fakeRenewer{block: map[string]bool{"127.0.0.1:3": true}}
+	f := &leasefake.Renewer{Block: map[string]bool{"127.0.0.1:3": true}}
 	rn, err := New(f, slog.New(slog.DiscardHandler), prometheus.NewRegistry())
 	if err != nil {
 		t.Fatal(err)
@@ -89,42 +48,42 @@ func testRenewer(t *testing.T) {
 		t.Fatalf("leased %d, want 3", rn.Len())
 	}
 	time.Sleep(ttl)
-	first := f.to("127.0.0.1:1")
-	if len(first) == 0 || first[0].at.Sub(start) > 50*time.Millisecond {
+	first := f.To("127.0.0.1:1")
+	if len(first) == 0 || first[0].At.Sub(start) > 50*time.Millisecond {
 		t.Fatalf("first renewal not prompt: %+v", first)
 	}
-	if !slices.Equal(first[0].ids, []string{"a", "b"}) {
-		t.Fatalf("first batch %v, want [a b] in one message", first[0].ids)
+	if !slices.Equal(first[0].IDs, []string{"a", "b"}) {
+		t.Fatalf("first batch %v, want [a b] in one message", first[0].IDs)
 	}
-	if len(f.to("127.0.0.1:2")) != 0 {
+	if len(f.To("127.0.0.1:2")) != 0 {
 		t.Fatal("RENEW sent to a peer that did not advertise leases")
 	}
 	time.Sleep(2 * ttl)
-	calls := f.to("127.0.0.1:1")
+	calls := f.To("127.0.0.1:1")
 	// About every ttl/3 (50 ms) over 450 ms: at least 5, at most ~10.
 	if len(calls) < 5 || len(calls) > 12 {
 		t.Fatalf("%d renewals of port 1 in %v (ttl %v)", len(calls), time.Since(start), ttl)
 	}
 	for i := 1; i < len(calls); i++ {
-		if gap := calls[i].at.Sub(calls[i-1].at); gap > ttl/2 {
+		if gap := calls[i].At.Sub(calls[i-1].At); gap > ttl/2 {
 			t.Fatalf("renewal gap %v > ttl/2", gap)
 		}
 	}
 	// The dead peer's calls (each blocked until its timeout) never overlap.
-	if n := len(f.to("127.0.0.1:3")); n == 0 || n > 5 {
+	if n := len(f.To("127.0.0.1:3")); n == 0 || n > 5 {
 		t.Fatalf("%d calls to the blocked peer", n)
 	}
 	rn.Remove("a")
 	rn.Remove("b")
-	n := len(f.to("127.0.0.1:1"))
+	n := len(f.To("127.0.0.1:1"))
 	time.Sleep(ttl)
-	if got := len(f.to("127.0.0.1:1")); got > n+1 {
+	if got := len(f.To("127.0.0.1:1")); got > n+1 {
 		t.Fatalf("renewals went on after remove: %d -> %d", n, got)
 	}
 	rn.Add(leaseJob("c", []int{1}, []time.Duration{ttl}))
 	time.Sleep(20 * time.Millisecond)
-	if last := f.to("127.0.0.1:1"); !slices.Equal(last[len(last)-1].ids, []string{"c"}) {
-		t.Fatalf("after remove and add: %v", last[len(last)-1].ids)
+	if last := f.To("127.0.0.1:1"); !slices.Equal(last[len(last)-1].IDs, []string{"c"}) {
+		t.Fatalf("after remove and add: %v", last[len(last)-1].IDs)
 	}
 	done := make(chan struct{})
 	go func() { rn.Close(); close(done) }()
@@ -133,10 +92,10 @@ func testRenewer(t *testing.T) {
 	case <-time.After(2 * time.Second):
 		t.Fatal("close hangs on a blocked call")
 	}
-	n = len(f.snapshot())
+	n = len(f.Calls())
 	rn.Add(leaseJob("late", []int{1}, []time.Duration{ttl}))
 	time.Sleep(ttl)
-	if len(f.snapshot()) != n {
+	if len(f.Calls()) != n {
 		t.Fatalf("renewed after close")
 	}
 	rn.Close() // idempotent

@@ -16,6 +16,21 @@
 // that do not advertise it get plain DONEs; so does every rank when the
 // Sender is not a BatchSender (e.g. wrapped by a fault injector).
 //
+// After a failed handshake, a rank whose side-channel port refused the
+// connection (job.ErrRefused in the job's job.PeerError for that rank) gets
+// no DONE: nothing listens there. One whose side channel answered none of
+// the GET_META's attempts (job.ErrNoReply) gets its DONE with one attempt
+// instead of all: the request does not wait out the same timeouts twice.
+// The first is counted as result skipped_refused, the second as any DONE.
+//
+// No DONE goes to a rank whose metadata shows another boot epoch than the
+// one the request's kv_transfer_params name (job.Job.OwesDone): that
+// process never held the request (the one that did is gone with its
+// blocks), and a DONE could only free a same-id request of its own while
+// its decode still reads it. Counted as result skipped_restarted. The
+// seed, which has no epochs, sends every task's DONE; so does kvflow
+// whenever either epoch is unknown.
+//
 // A DONE that cannot be delivered is counted and logged; it does not fail a
 // job whose bytes all landed (the prefill side frees it at its abort
 // timeout). Its subpackage tracker is the prefill side's bookkeeping of

@@ -57,7 +57,13 @@ type Stage struct {
 // metrics are the notify stage's.
 type metrics struct {
 	sent, undelivered prometheus.Counter
-	batched           prometheus.Counter
+	// skipped: DONEs not sent because the rank restarted since the
+	// request was handed over (job.Job.OwesDone).
+	skipped prometheus.Counter
+	// refused: DONEs not sent because the rank's side-channel port
+	// refused this request's GET_META connection (doneAfter).
+	refused prometheus.Counter
+	batched prometheus.Counter
 	// shutdownDones keeps the name it had when the decode role sent
 	// these DONEs itself.
 	shutdownDones *prometheus.CounterVec
@@ -67,9 +73,11 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{}
 	dones := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvflow_notify_done_messages_total",
-		Help: "DONE_RECVINGs (one per request and remote task, plain or in a batch) by result (acked, undelivered).",
+		Help: "DONE_RECVINGs (one per request and remote task, plain or in a batch) by result (acked, undelivered, skipped_restarted: not sent, the rank restarted since it handed the request over; skipped_refused: not sent, the rank's side-channel port refused the request's handshake).",
 	}, []string{"result"})
 	m.sent, m.undelivered = dones.WithLabelValues("acked"), dones.WithLabelValues("undelivered")
+	m.skipped = dones.WithLabelValues("skipped_restarted")
+	m.refused = dones.WithLabelValues("skipped_refused")
 	m.batched = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kvflow_notify_batched_dones_total",
 		Help: "DONE_RECVINGs sent through batched done_batch_msg (peers advertising batch_done), whatever their result; messages and ids per message are in kvflow_sidechannel_done_batch_ids.",
@@ -114,18 +122,51 @@ func New(cfg Config, d Deps) (*Stage, error) {
 
 // Process notifies after a successful job.
 func (s *Stage) Process(ctx context.Context, j *job.Job) error {
-	s.notify(ctx, j)
+	s.notify(ctx, j, nil)
 	return nil
 }
 
 // ProcessFailed notifies after a failed job too: the prefill side must free
 // its blocks. The job's cause is kept; notify adds no error of its own.
 func (s *Stage) ProcessFailed(ctx context.Context, j *job.Job, cause error) error {
-	s.notify(ctx, j)
+	s.notify(ctx, j, cause)
 	return nil
 }
 
-func (s *Stage) notify(ctx context.Context, j *job.Job) {
+// How the DONE to one rank goes out after a job's failure (doneAfter).
+const (
+	doneSend = iota // with the client's attempts, as after a success
+	doneOnce        // one attempt: the rank's side channel did not answer this job's GET_META
+	doneSkip        // not at all: the rank's side-channel port refused this job's connection
+)
+
+// doneAfter is how the DONE to endpoint goes out after cause, the job's
+// failure. A rank whose port refused the connection (job.ErrRefused) gets
+// none: nothing listens there, so nothing there holds the blocks (a
+// restarted prefill does not know the requests its predecessor held). A
+// rank whose side channel answered none of the GET_META's attempts
+// (job.ErrNoReply) gets one attempt, not all: the request does not wait
+// out the same timeouts twice, while a rank that came back meanwhile
+// still frees its blocks at once (one that misses it frees them at its
+// abort timeout; no lease was taken, the handshake failed). Any other
+// cause, or a rank whose handshake went well, gets every attempt.
+func doneAfter(cause error, endpoint string) int {
+	how := doneSend
+	for _, pe := range job.Blame(cause) {
+		if pe.Hop != job.HopHandshake || pe.Endpoint != endpoint {
+			continue
+		}
+		switch {
+		case errors.Is(pe.Err, job.ErrRefused):
+			return doneSkip
+		case errors.Is(pe.Err, job.ErrNoReply):
+			how = doneOnce
+		}
+	}
+	return how
+}
+
+func (s *Stage) notify(ctx context.Context, j *job.Job, cause error) {
 	if len(j.Plan.Tasks) == 0 {
 		return // failed before planning: no remote rank knows of it
 	}
@@ -135,7 +176,22 @@ func (s *Stage) notify(ctx context.Context, j *job.Job) {
 	defer cancel()
 	var wg sync.WaitGroup
 	for i := range j.Plan.Tasks {
+		if !j.OwesDone(i) {
+			// The rank restarted since the request was handed over: the
+			// process answering never held it (job.Job.OwesDone).
+			s.m.skipped.Inc()
+			s.log.Info("DONE not sent: prefill restarted since the request was handed over", "request_id", j.Req.ID,
+				"endpoint", j.HandshakeEndpoint(i), "task", i, "boot_epoch", j.Metas[i].BootEpoch, "request_boot_epoch", j.RequestEpoch(i))
+			continue
+		}
 		ep := j.HandshakeEndpoint(i)
+		how := doneAfter(cause, ep)
+		if how == doneSkip {
+			s.m.refused.Inc()
+			s.log.Info("DONE not sent: the rank's side-channel port refused this request's connection",
+				"request_id", j.Req.ID, "endpoint", ep, "task", i)
+			continue
+		}
 		send := s.s.SendDone
 		// Metas is short when the job failed before its handshake ended:
 		// those ranks get plain DONEs.
@@ -144,6 +200,13 @@ func (s *Stage) notify(ctx context.Context, j *job.Job) {
 			s.m.batched.Inc()
 		}
 		wg.Go(func() {
+			ctx := ctx
+			if how == doneOnce {
+				// One attempt and half its backoff: the retry never starts.
+				var cancel context.CancelFunc
+				ctx, cancel = context.WithTimeout(ctx, s.cfg.Timeout.D()+s.cfg.RetryBackoff.D()/2)
+				defer cancel()
+			}
 			if err := send(ctx, ep, j.Req.ID); err != nil {
 				s.m.undelivered.Inc()
 				j.DoneUndelivered.Add(1)
@@ -181,6 +244,9 @@ func (s *Stage) End(r pipeline.Result[*job.Job]) {
 	// (plan.PrefillExpectedDones counts tasks).
 	o := owed{id: j.Req.ID}
 	for i := range j.Plan.Tasks {
+		if !j.OwesDone(i) {
+			continue // as notify: never a DONE to a process that did not hold it
+		}
 		o.endpoints = append(o.endpoints, j.HandshakeEndpoint(i))
 	}
 	s.mu.Lock()

@@ -108,3 +108,31 @@ func TestUndelivered(t *testing.T) {
 		t.Fatalf("%d DONEs, want 2", n)
 	}
 }
+
+// TestNoDoneAfterRestart: a rank whose metadata shows another boot epoch
+// than the request's params gets no DONE (the process that held the
+// request is gone; the new one never held it), counted; the other ranks
+// get theirs; ranks without an epoch on either side get theirs as before.
+func TestNoDoneAfterRestart(t *testing.T) {
+	rec := &fakes.Sender{}
+	st, err := New(Config{}, Deps{Sender: rec})
+	if err != nil {
+		t.Fatal(err)
+	}
+	j := job.New(plan.Request{ID: "r1", BootEpochs: []uint64{5, 5, 0}}, time.Now())
+	j.Plan.RemoteHost = "10.0.0.1"
+	for r := range 3 {
+		j.Plan.Tasks = append(j.Plan.Tasks, plan.Task{RemoteRank: r, HandshakePort: 1 + r})
+	}
+	j.Metas = []job.Meta{{BootEpoch: 5}, {BootEpoch: 6}, {BootEpoch: 7}}
+	if err := st.ProcessFailed(context.Background(), j, job.ErrBootEpoch); err != nil {
+		t.Fatal(err)
+	}
+	got := rec.ByEndpoint()
+	if len(got) != 2 || got[0].Endpoint != "10.0.0.1:1" || got[1].Endpoint != "10.0.0.1:3" {
+		t.Fatalf("DONEs %+v, want to ports 1 and 3 only", got)
+	}
+	if v := testutil.ToFloat64(st.m.skipped); v != 1 {
+		t.Errorf("skipped %v, want 1", v)
+	}
+}

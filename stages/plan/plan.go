@@ -19,6 +19,12 @@ type Request struct {
 	RemoteEngineID string
 	RemotePCPSize  int
 	RemoteDCPSize  int
+	// BootEpochs is kvflow's optional kv_transfer_params.kvflow_boot_epochs:
+	// entry r is the boot epoch of the prefill rank at RemotePort + r when
+	// it handed the request over (0 or no entry: unknown). Planning never
+	// reads it; the decode stages compare it with each rank's metadata
+	// (job.Job.CheckBootEpoch). nil from seed prefills.
+	BootEpochs []uint64
 }
 
 // Task is one transfer the decode worker runs for a request: one remote

@@ -70,11 +70,16 @@
 // process). Every read also refuses metadata whose boot epoch is after the
 // job's admission, so a job whose metadata was first fetched after its
 // rank restarted fails rather than reading the new process's blocks in
-// place of its own. Limit: between a restart and a job's admission the
-// stage cannot tell whether the old or the new process prefilled it (the
-// request carries no epoch); a job prefilled by the old process and
-// admitted after the new one booted is read from the new one, which then
-// refuses (read grants) or serves whatever those block ids hold.
+// place of its own. Between a restart and a job's admission the
+// admission time cannot tell whether the old or the new process
+// prefilled it: the request's own kvflow_boot_epochs can (a kvflow
+// prefill's scheduler adds them). Every read, and every retry's fresh
+// metadata, is refused when the rank's boot epoch is not the one the
+// request names (job.Job.CheckBootEpoch: job.ErrBootEpoch, the rank
+// restarted since the hand-over). Limit: a request without them (from a
+// seed prefill) prefilled by the old process and admitted after the new
+// one booted is read from the new one, which then refuses (read grants)
+// or serves whatever those block ids hold.
 // Without Capabilities.Classify or Refetch, a failed read only invalidates
 // the peer's cached metadata so the next job re-fetches it.
 //

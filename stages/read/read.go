@@ -224,7 +224,8 @@ func (s *Stage) process(ctx context.Context, j *job.Job) error {
 	}
 	g, gctx := errgroup.WithContext(ctx)
 	for i := range j.Plan.Tasks {
-		g.Go(func() error { return s.task(gctx, j, i) })
+		// A task's failure is blamed on its rank only (peer health).
+		g.Go(func() error { return job.AtPeer(job.HopRead, j.HandshakeEndpoint(i), s.task(gctx, j, i)) })
 	}
 	return g.Wait()
 }
@@ -319,6 +320,9 @@ func (s *Stage) recover(ctx context.Context, j *job.Job, i int, err error, f Fai
 	// The rank's metadata as it is now: what notify's DONE must follow too.
 	j.Metas[i] = fresh
 	v := retryVerdict(f, used, fresh, j.Submitted)
+	if v == nil {
+		v = j.CheckBootEpoch(i, fresh) // restarted since the hand-over: not read again
+	}
 	if v == nil && s.opts.BeforeRetry != nil {
 		v = s.opts.BeforeRetry(j, i)
 	}
@@ -327,7 +331,7 @@ func (s *Stage) recover(ctx context.Context, j *job.Job, i int, err error, f Fai
 	}
 	if v != nil {
 		s.m.retries.WithLabelValues("refused").Inc()
-		if errors.Is(v, ErrPeerRestarted) {
+		if errors.Is(v, ErrPeerRestarted) || errors.Is(v, job.ErrBootEpoch) {
 			return fmt.Errorf("%w; %w", v, err)
 		}
 		return fmt.Errorf("%w; not read again: %w", err, v)
@@ -356,6 +360,11 @@ func (s *Stage) attempt(ctx context.Context, j *job.Job, i int) (err, batchErr e
 	t := j.Plan.Tasks[i]
 	m := j.Metas[i]
 	if err := bootedAfter(m, j.Submitted); err != nil {
+		return fmt.Errorf("read task %d (rank %d): %w", i, t.RemoteRank, err), nil
+	}
+	// The rank restarted since it handed the request over (its boot
+	// epoch is not the one kv_transfer_params name): its blocks are gone.
+	if err := j.CheckBootEpoch(i, m); err != nil {
 		return fmt.Errorf("read task %d (rank %d): %w", i, t.RemoteRank, err), nil
 	}
 	if j.Plan.KvflowOnly && m.BootEpoch == 0 {

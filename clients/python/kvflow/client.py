@@ -175,8 +175,9 @@ class Client:
         requests: dicts with request_id (str), local_block_ids (ints) and
         kv_transfer_params (the prefill side's dict: remote_block_ids,
         remote_engine_id, remote_host, remote_port, optional remote_pcp_size,
-        remote_dcp_size). Other keys are passed through (the worker ignores
-        keys it does not know).
+        remote_dcp_size and kvflow_boot_epochs: the prefill ranks' boot
+        epochs, a request whose rank restarted since fails). Other keys are
+        passed through (the worker ignores keys it does not know).
 
         Returns one entry per request, index-aligned: None if accepted, else
         the worker's reason (the engine should treat that request as failed).

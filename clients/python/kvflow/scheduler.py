@@ -25,7 +25,9 @@ The rules, as in the seed:
 * request_finished: only a ``do_remote_decode`` request that finished by
   length cap (the prefill's max_tokens=1) is handed over: with blocks, their
   free is delayed and the request queued to send with time.time(); the
-  returned kv_transfer_params have exactly the seed's keys and types.
+  returned kv_transfer_params have exactly the seed's keys and types, plus
+  kvflow's optional ``kvflow_boot_epochs`` last when ``boot_epochs`` is
+  set (below).
 
 Where kvflow differs (each is a case the seed gets wrong; tested):
 
@@ -42,14 +44,28 @@ Where kvflow differs (each is a case the seed gets wrong; tested):
    handed to workers and not yet finished is listed in
    ``requests_to_abort`` of the next metadata so the workers cancel it
    (the seed keeps pulling into blocks the engine has freed).
+
+Boot epochs (kvflow only). A prefill instance's ranks each have a boot
+epoch (their sidecar's start time, in its status). With ``boot_epochs``
+set (entry r: the rank at side_channel_port + r; 0 where unknown),
+request_finished adds ``kvflow_boot_epochs`` to the params after the
+seed's keys. A kvflow decode worker compares each entry with the rank's
+metadata and fails the request, reading nothing, if the rank restarted
+since (its blocks are gone with the old process). A seed decode ignores
+the key; params without it (a seed prefill) are read as before. ReqMeta
+passes it through, checked (a list of whole numbers >= 0).
 """
 
 import operator
 import time
 
-__all__ = ["ReqMeta", "ConnectorMetadata", "SchedulerRules", "status_name"]
+__all__ = ["ReqMeta", "ConnectorMetadata", "SchedulerRules", "status_name", "MAX_BOOT_EPOCHS"]
 
 FINISHED_LENGTH_CAPPED = "FINISHED_LENGTH_CAPPED"
+
+# At most one kvflow_boot_epochs entry per prefill rank: their side-channel
+# ports are all below 65536 (the sidecar's own bound).
+MAX_BOOT_EPOCHS = 65535
 
 
 def status_name(status):
@@ -61,10 +77,10 @@ class ReqMeta:
     """One request to receive (the seed's ReqMeta)."""
 
     __slots__ = ("local_block_ids", "remote_block_ids", "remote_engine_id", "remote_host", "remote_port",
-                 "remote_pcp_size", "remote_dcp_size")
+                 "remote_pcp_size", "remote_dcp_size", "kvflow_boot_epochs")
 
     def __init__(self, local_block_ids, remote_block_ids, remote_engine_id, remote_host, remote_port,
-                 remote_pcp_size=1, remote_dcp_size=1):
+                 remote_pcp_size=1, remote_dcp_size=1, kvflow_boot_epochs=None):
         self.local_block_ids = local_block_ids
         self.remote_block_ids = remote_block_ids
         self.remote_engine_id = remote_engine_id
@@ -72,6 +88,7 @@ class ReqMeta:
         self.remote_port = remote_port
         self.remote_pcp_size = remote_pcp_size
         self.remote_dcp_size = remote_dcp_size
+        self.kvflow_boot_epochs = kvflow_boot_epochs  # None: the params had none (a seed prefill)
 
     def kv_transfer_params(self):
         """The params as kvflow's control socket takes them. Raises
@@ -97,12 +114,28 @@ class ReqMeta:
         if isinstance(self.remote_block_ids, (str, bytes)) or not hasattr(self.remote_block_ids, "__iter__"):
             raise ValueError("kv_transfer_params.remote_block_ids is %r, want a list of ints"
                              % (self.remote_block_ids,))
-        return {"remote_block_ids": [whole("remote_block_ids[%d]" % i, b) for i, b in enumerate(self.remote_block_ids)],
-                "remote_engine_id": text("remote_engine_id", self.remote_engine_id),
-                "remote_host": text("remote_host", self.remote_host),
-                "remote_port": whole("remote_port", self.remote_port),
-                "remote_pcp_size": whole("remote_pcp_size", self.remote_pcp_size),
-                "remote_dcp_size": whole("remote_dcp_size", self.remote_dcp_size)}
+        out = {"remote_block_ids": [whole("remote_block_ids[%d]" % i, b) for i, b in enumerate(self.remote_block_ids)],
+               "remote_engine_id": text("remote_engine_id", self.remote_engine_id),
+               "remote_host": text("remote_host", self.remote_host),
+               "remote_port": whole("remote_port", self.remote_port),
+               "remote_pcp_size": whole("remote_pcp_size", self.remote_pcp_size),
+               "remote_dcp_size": whole("remote_dcp_size", self.remote_dcp_size)}
+        epochs = self.kvflow_boot_epochs
+        if epochs is not None:
+            if isinstance(epochs, (str, bytes, dict)) or not hasattr(epochs, "__iter__"):
+                raise ValueError("kv_transfer_params.kvflow_boot_epochs is %r, want a list of ints" % (epochs,))
+            epochs = list(epochs)
+            if len(epochs) > MAX_BOOT_EPOCHS:
+                raise ValueError("kv_transfer_params.kvflow_boot_epochs has %d entries, at most %d (one per prefill rank)"
+                                 % (len(epochs), MAX_BOOT_EPOCHS))
+            out["kvflow_boot_epochs"] = []
+            for i, e in enumerate(epochs):
+                name = "kvflow_boot_epochs[%d]" % i
+                v = whole(name, e)
+                if v < 0 or v >= 1 << 63:
+                    raise ValueError("kv_transfer_params.%s is %r, want a boot epoch in [0, 2**63)" % (name, e))
+                out["kvflow_boot_epochs"].append(v)
+        return out
 
     def __repr__(self):
         return "ReqMeta(local=%r, remote=%r, %s@%s:%s)" % (self.local_block_ids, self.remote_block_ids,
@@ -123,14 +156,17 @@ class ConnectorMetadata:
         self.requests[request_id] = ReqMeta(
             local_block_ids=local_block_ids, remote_block_ids=p["remote_block_ids"],
             remote_engine_id=p["remote_engine_id"], remote_host=p["remote_host"], remote_port=p["remote_port"],
-            remote_pcp_size=p.get("remote_pcp_size", 1), remote_dcp_size=p.get("remote_dcp_size", 1))
+            remote_pcp_size=p.get("remote_pcp_size", 1), remote_dcp_size=p.get("remote_dcp_size", 1),
+            kvflow_boot_epochs=p.get("kvflow_boot_epochs"))
 
 
 class SchedulerRules:
     """The seed's MooncakeConnectorScheduler. engine_id, side_channel_host,
     block_size as the engine has them; side_channel_port is the instance's
     base handshake port (``side_channel_port(...)``); pcp/dcp sizes are
-    this instance's. ``clock`` (time.time) gives delay_start_time."""
+    this instance's. ``clock`` (time.time) gives delay_start_time.
+    ``boot_epochs`` (None until set_boot_epochs) are the instance's
+    ranks' boot epochs, handed over as kvflow_boot_epochs."""
 
     def __init__(self, engine_id, side_channel_host, side_channel_port, block_size, pcp_size=1, dcp_size=1,
                  clock=time.time):
@@ -143,10 +179,26 @@ class SchedulerRules:
         self.pcp_size = pcp_size
         self.dcp_size = dcp_size
         self.clock = clock
+        self.boot_epochs = None
         self._reqs_need_recv = {}   # request id -> (request, local block ids)
         self._reqs_need_send = {}   # request id -> delay_start_time
         self._reqs_loading = set()  # handed to workers, not yet reported finished
         self._reqs_to_abort = []
+
+    def set_boot_epochs(self, epochs):
+        """The boot epoch of each prefill rank of this instance (entry r:
+        the rank listening at side_channel_port + r; 0 where unknown), or
+        None for none. Every later hand-over carries them as
+        kvflow_boot_epochs. Raises ValueError unless a list of ints in
+        [0, 2**63)."""
+        if epochs is None:
+            self.boot_epochs = None
+            return
+        epochs = list(epochs)
+        if len(epochs) > MAX_BOOT_EPOCHS or any(
+                isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < 1 << 63 for e in epochs):
+            raise ValueError("boot epochs %r: want at most %d ints in [0, 2**63)" % (epochs[:8], MAX_BOOT_EPOCHS))
+        self.boot_epochs = epochs if any(epochs) else None
 
     @staticmethod
     def side_channel_port(kv_port, dp_rank, tp_size, pp_size, pcp_size=1):
@@ -217,7 +269,7 @@ class SchedulerRules:
         delay_free_blocks = len(computed_block_ids) > 0
         if delay_free_blocks:
             self._reqs_need_send[rid] = self.clock()
-        return delay_free_blocks, dict(
+        params = dict(
             do_remote_prefill=True,
             do_remote_decode=False,
             remote_block_ids=computed_block_ids,
@@ -228,3 +280,6 @@ class SchedulerRules:
             remote_dcp_size=self.dcp_size,
             last_token_id=request.output_token_ids[-1],
         )
+        if self.boot_epochs is not None:
+            params["kvflow_boot_epochs"] = list(self.boot_epochs)
+        return delay_free_blocks, params

@@ -124,6 +124,45 @@ class BadConfigTest(unittest.TestCase):
         self.assertEqual(list(m.requests_to_send), ["r"])
         self.assertEqual(m.send_block_ids, {"r": [3, 4]})
 
+    def test_boot_epochs_from_workers(self):
+        """Each prefill worker's get_handshake_metadata carries its
+        sidecar's boot epoch; the scheduler side (set_xfer_handshake_metadata,
+        as vLLM calls it with {tp_rank: metadata}) hands them over in
+        every kv_transfer_params as kvflow_boot_epochs, 0 for a rank that
+        sent none; ill-formed metadata is ignored."""
+        from kvflow.vllm import KVConnectorRole, KvflowConnector, KvflowHandshakeMetadata
+
+        epochs = {0: 1764870000000000001, 1: 1764870000000000002}
+        mds = {}
+        for tp in (0, 1):
+            w = KvflowConnector(vcfg(opts={"tp_rank": tp}), KVConnectorRole.WORKER)
+            self.assertIsNone(w.get_handshake_metadata())  # before register_kv_caches
+            w.sidecar = types.SimpleNamespace(client=types.SimpleNamespace(
+                status=lambda tp=tp: {"role": "prefill", "boot_epoch": epochs[tp]}))
+            mds[tp] = w.get_handshake_metadata()
+            self.assertEqual((mds[tp].tp_rank, mds[tp].pp_rank, mds[tp].boot_epoch), (tp, 0, epochs[tp]))
+        req = types.SimpleNamespace(request_id="r", kv_transfer_params={"do_remote_decode": True},
+                                    status="FINISHED_LENGTH_CAPPED", output_token_ids=[9], prompt_token_ids=[1])
+        cases = [("both ranks", mds, [epochs[0], epochs[1]]),
+                 ("one rank", {1: mds[1]}, [0, epochs[1]]),
+                 ("ill-formed ignored", {0: KvflowHandshakeMetadata(0, 0, "x"), 1: mds[1], 2: object()}, [0, epochs[1]]),
+                 ("none", {}, None)]
+        for name, md, want in cases:
+            with self.subTest(name):
+                c = KvflowConnector(vcfg(), KVConnectorRole.SCHEDULER)
+                if name.startswith("ill-formed"):
+                    with self.assertLogs("kvflow", "WARNING") as logs:
+                        c.set_xfer_handshake_metadata(md)
+                    self.assertEqual(len(logs.output), 2, logs.output)
+                else:
+                    c.set_xfer_handshake_metadata(md)
+                _, p = c.request_finished(types.SimpleNamespace(**vars(req)), [3])
+                self.assertEqual(p.get("kvflow_boot_epochs"), want)
+        d = KvflowConnector(vcfg(), KVConnectorRole.WORKER)
+        d.kv_role = "kv_consumer"
+        d.sidecar = types.SimpleNamespace(client=types.SimpleNamespace(status=lambda: {"boot_epoch": 5}))
+        self.assertIsNone(d.get_handshake_metadata())  # a decode worker hands over nothing
+
     def test_malformed_params_fail_alone(self):
         """kv_transfer_params from the router with a wrong type (a port that
         is no number, block ids that are a string) fail that request alone
@@ -156,9 +195,14 @@ class BadConfigTest(unittest.TestCase):
         bad = [("port", dict(good, remote_port="zz"), "kv_transfer_params.remote_port is 'zz', want an int"),
                ("blocks", dict(good, remote_block_ids="abc"), "remote_block_ids is 'abc', want a list of ints"),
                ("block", dict(good, remote_block_ids=[1, 2.5]), "remote_block_ids\\[1\\] is 2.5, want an int"),
-               ("host", dict(good, remote_host=None), "remote_host is None, want a non-empty string")]
+               ("host", dict(good, remote_host=None), "remote_host is None, want a non-empty string"),
+               ("epochs", dict(good, kvflow_boot_epochs="1764870000123456789"),
+                "kv_transfer_params.kvflow_boot_epochs is '1764870000123456789', want a list of ints"),
+               ("epoch", dict(good, kvflow_boot_epochs=[-3]),
+                "kv_transfer_params.kvflow_boot_epochs\\[0\\] is -3, want a boot epoch")]
         rules = SchedulerRules("d", "127.0.0.1", 30000, 4)
-        reqs = [("ok", good, [7, 8])] + [("bad-" + n, p, [10 + i]) for i, (n, p, _) in enumerate(bad)]
+        reqs = [("ok", good, [7, 8]), ("ok-epochs", dict(good, kvflow_boot_epochs=[1764870000123456789]), [9])] + [
+            ("bad-" + n, p, [10 + i]) for i, (n, p, _) in enumerate(bad)]
         for rid, params, local in reqs:
             r = types.SimpleNamespace(request_id=rid, prompt_token_ids=[0] * 8,
                                       kv_transfer_params=dict(params, do_remote_prefill=True))
@@ -172,12 +216,15 @@ class BadConfigTest(unittest.TestCase):
         c.bind_connector_metadata(meta)
         with self.assertLogs("kvflow", "WARNING") as logs:
             c.start_load_kv(None)
-        self.assertEqual([[r["request_id"] for r in call] for call in fake.client.loads], [["ok"]])
+        self.assertEqual([[r["request_id"] for r in call] for call in fake.client.loads], [["ok", "ok-epochs"]])
+        sent = {r["request_id"]: r["kv_transfer_params"] for r in fake.client.loads[0]}
+        self.assertNotIn("kvflow_boot_epochs", sent["ok"])  # the seed's params stay the seed's
+        self.assertEqual(sent["ok-epochs"]["kvflow_boot_epochs"], [1764870000123456789])
         for (_, _, want) in bad:
             self.assertTrue(any(__import__("re").search(want, line) for line in logs.output), (want, logs.output))
         _, recving = c.get_finished(set())
         self.assertEqual(recving, {"bad-" + n for n, _, _ in bad})
-        self.assertEqual(c.get_block_ids_with_load_errors(), {10, 11, 12, 13})
+        self.assertEqual(c.get_block_ids_with_load_errors(), set(range(10, 10 + len(bad))))
         self.assertIn("ok", c._loading)
 
 
@@ -246,6 +293,10 @@ class HostBufferTest(unittest.TestCase):
             self.assertIs(c.cache, cache)              # zero-copy: the engine's own mapping
             self.assertIsNone(c._device_caches)
             self.assertEqual(c.sidecar.client.status()["role"], "prefill")
+            md = c.get_handshake_metadata()  # the real sidecar's boot epoch, for kvflow_boot_epochs
+            self.assertEqual((md.tp_rank, md.pp_rank), (0, 0))
+            self.assertEqual(md.boot_epoch, sc.client.status()["boot_epoch"])
+            self.assertGreater(md.boot_epoch, 1_500_000_000 * 10**9)  # its start, in unix nanoseconds
             c.shutdown()
             self.assertTrue(sc.alive())
             self.assertTrue(os.path.exists(path))

@@ -148,11 +148,62 @@ class RequestFinishedTest(unittest.TestCase):
         self.assertEqual([type(v) for v in p.values()], [bool, bool, list, str, str, int, int, int, int])
         self.assertEqual(s.build_connector_meta(None).requests_to_send, {"r": 1712345678.5})
 
+    def test_boot_epochs_handed_over(self):
+        """kvflow's kvflow_boot_epochs: after the seed's nine keys, a copy
+        of the ranks' epochs; absent when none is known."""
+        s = rules()
+        s.set_boot_epochs([1764870000123456789, 0])
+        _, p = s.request_finished(Req("r", {"do_remote_decode": True}, status=Status.FINISHED_LENGTH_CAPPED), [4])
+        self.assertEqual(list(p)[-1], "kvflow_boot_epochs")
+        self.assertEqual(len(p), 10)
+        self.assertEqual(p["kvflow_boot_epochs"], [1764870000123456789, 0])
+        p["kvflow_boot_epochs"][0] = 1
+        self.assertEqual(s.boot_epochs[0], 1764870000123456789)
+        s.set_boot_epochs([0, 0])  # nothing known: the seed's params exactly
+        _, p = s.request_finished(Req("q", {"do_remote_decode": True}, status=Status.FINISHED_LENGTH_CAPPED), [4])
+        self.assertNotIn("kvflow_boot_epochs", p)
+        for bad in (["1"], [-1], [True], [1.0], [1 << 63]):
+            with self.subTest(bad=bad), self.assertRaisesRegex(ValueError, "boot epochs"):
+                s.set_boot_epochs(bad)
+
     def test_no_blocks_no_delay(self):
         s = rules()
         delay, p = s.request_finished(Req("r", {"do_remote_decode": True}, status="FINISHED_LENGTH_CAPPED"), [])
         self.assertEqual((delay, p["remote_block_ids"]), (False, []))
         self.assertEqual(s.build_connector_meta(None).requests_to_send, {})
+
+
+class BootEpochsPassThroughTest(unittest.TestCase):
+    """A decode request's kvflow_boot_epochs reach the control socket
+    checked: a list of whole numbers >= 0 (decimal strings read as ints,
+    as for the seed's fields); anything else is a ValueError naming the
+    field; absent, the params are the seed's."""
+
+    def params_for(self, **kw):
+        s = rules()
+        s.update_state_after_alloc(Req("a", remote(**kw)), Blocks([1, 2]), 8)
+        return s.build_connector_meta(None).requests["a"].kv_transfer_params()
+
+    def test_passed_through(self):
+        self.assertNotIn("kvflow_boot_epochs", self.params_for())
+        for got, want in (([1764870000123456789, 0], [1764870000123456789, 0]), ((5,), [5]),
+                          (["7", 0], [7, 0]), ([], [])):
+            with self.subTest(got=got):
+                self.assertEqual(self.params_for(kvflow_boot_epochs=got)["kvflow_boot_epochs"], want)
+
+    def test_malformed(self):
+        cases = [("string", "123", r"kvflow_boot_epochs is '123', want a list of ints"),
+                 ("int", 5, r"kvflow_boot_epochs is 5, want a list of ints"),
+                 ("map", {"0": 5}, r"kvflow_boot_epochs is \{'0': 5\}, want a list of ints"),
+                 ("negative", [5, -1], r"kvflow_boot_epochs\[1\] is -1, want a boot epoch"),
+                 ("too big", [1 << 63], r"kvflow_boot_epochs\[0\] is 9223372036854775808, want a boot epoch"),
+                 ("float", [1.5], r"kvflow_boot_epochs\[0\] is 1.5, want an int"),
+                 ("bool", [True], r"kvflow_boot_epochs\[0\] is True, want an int"),
+                 ("none entry", [None], r"kvflow_boot_epochs\[0\] is None, want an int"),
+                 ("too many", [0] * 65536, r"kvflow_boot_epochs has 65536 entries, at most 65535")]
+        for name, v, want in cases:
+            with self.subTest(name), self.assertRaisesRegex(ValueError, "kv_transfer_params." + want):
+                self.params_for(kvflow_boot_epochs=v)
 
 
 class AbortTest(unittest.TestCase):

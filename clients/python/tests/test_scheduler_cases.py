@@ -30,10 +30,16 @@ class Blocks:
         return list(self.ids)
 
 
+def recv_json(rid, r):
+    out = {"id": rid, "local": r.local_block_ids, "remote": r.remote_block_ids, "engine": r.remote_engine_id,
+           "host": r.remote_host, "port": r.remote_port, "pcp": r.remote_pcp_size, "dcp": r.remote_dcp_size}
+    if r.kvflow_boot_epochs:
+        out["boot_epochs"] = list(r.kvflow_boot_epochs)
+    return out
+
+
 def meta_json(m):
-    return {"requests": [{"id": rid, "local": r.local_block_ids, "remote": r.remote_block_ids,
-                          "engine": r.remote_engine_id, "host": r.remote_host, "port": r.remote_port,
-                          "pcp": r.remote_pcp_size, "dcp": r.remote_dcp_size} for rid, r in m.requests.items()],
+    return {"requests": [recv_json(rid, r) for rid, r in m.requests.items()],
             "to_send": [[rid, t] for rid, t in m.requests_to_send.items()], "to_abort": list(m.requests_to_abort)}
 
 
@@ -65,6 +71,8 @@ class SharedCasesTest(unittest.TestCase):
                                                 else list(op["want"][1].items())])
                         elif op["op"] == "recv_done":
                             got = s.finished_recving(op["ids"])
+                        elif op["op"] == "boot_epochs":
+                            got = s.set_boot_epochs(op["epochs"])
                         elif op["op"] == "param":
                             got = reqs[op["req"]].kv_transfer_params[op["key"]]
                         else:

@@ -82,9 +82,19 @@ class TinyTest(unittest.TestCase):
         self.assertEqual(got, want)
 
     def test_failed_transfer_recomputes(self):
+        def other_boot(p):
+            # The prefill's scheduler handed over both ranks' sidecar boot
+            # epochs; the same request "from before a restart" (another
+            # epoch for rank 1) is refused by the decode, nothing read.
+            e = p["kvflow_boot_epochs"]
+            self.assertEqual(len(e), 2)
+            self.assertTrue(all(v > 1_500_000_000 * 10**9 for v in e), e)
+            return dict(p, kvflow_boot_epochs=[e[0], e[1] - 1])
+
         cases = [
             ("remote blocks out of range", lambda p: dict(p, remote_block_ids=[900 + b for b in p["remote_block_ids"]])),
             ("wrong remote engine", lambda p: dict(p, remote_engine_id="not-the-prefill")),
+            ("prefill restarted since (kvflow_boot_epochs)", other_boot),
         ]
         with Pair(self.model, 2, 1) as pair:
             for name, f in cases:

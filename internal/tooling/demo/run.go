@@ -101,6 +101,21 @@ func (d *driver) run(ctx context.Context) (*Summary, error) {
 	o := d.o
 	s := &Summary{Requests: o.Requests}
 	psched := newPrefillScheduler(d.prefill[0].cfg.KVTransfer.EngineID, "127.0.0.1", d.kvPort)
+	// Each prefill rank's boot epoch, from its status, goes into every
+	// request's kv_transfer_params (kvflow_boot_epochs), as the vLLM
+	// connector's scheduler hands them.
+	psched.rules.BootEpochs = make([]uint64, len(d.prefill))
+	for _, p := range d.prefill {
+		rep, err := p.ctl.Call(map[string]any{"op": "status"})
+		if err != nil {
+			return s, fmt.Errorf("demo: prefill rank %d status: %w", p.rank, err)
+		}
+		e, ok := rep.Status["boot_epoch"].(uint64)
+		if !ok || p.rank >= len(d.prefill) {
+			return s, fmt.Errorf("demo: prefill rank %d status: boot_epoch %v (%T), want an unsigned integer", p.rank, rep.Status["boot_epoch"], rep.Status["boot_epoch"])
+		}
+		psched.rules.BootEpochs[p.rank] = e
+	}
 	dsched := newDecodeScheduler()
 	ppool, dpool := newPool(o.Model.NumBlocks), newPool(o.Model.NumBlocks)
 	rowBytes := make([]int, d.prefill[0].cache.Layout().NumParts())

@@ -29,7 +29,20 @@ func (s *prefillScheduler) requestFinished(id string, blocks []int, now time.Tim
 	return decode.KVTransferParams{
 		RemoteBlockIDs: h.RemoteBlockIDs, RemoteEngineID: h.RemoteEngineID, RemoteHost: h.RemoteHost,
 		RemotePort: h.RemotePort, RemotePCPSize: h.RemotePCPSize, RemoteDCPSize: h.RemoteDCPSize,
+		BootEpochs: signed(h.BootEpochs),
 	}
+}
+
+// signed is kvflow_boot_epochs as the control socket's params carry them.
+func signed(e []uint64) []int64 {
+	if e == nil {
+		return nil
+	}
+	out := make([]int64, len(e))
+	for i, v := range e {
+		out[i] = int64(v) // boot epochs are unix nanoseconds: below 2^63
+	}
+	return out
 }
 
 func (s *prefillScheduler) buildConnectorMeta() []prefill.SendRequest {
@@ -55,6 +68,9 @@ func (s *decodeScheduler) updateStateAfterAlloc(id string, local []int, p decode
 		"remote_engine_id": p.RemoteEngineID, "remote_host": p.RemoteHost, "remote_port": p.RemotePort,
 		"remote_pcp_size": p.RemotePCPSize, "remote_dcp_size": p.RemoteDCPSize,
 	}}
+	if p.BootEpochs != nil {
+		r.Params["kvflow_boot_epochs"] = p.BootEpochs
+	}
 	n, _, _ := s.rules.MatchedTokens(r, 0) // never fails: BlockSize 1
 	_ = s.rules.AfterAlloc(r, local, n)    // never fails: remote blocks present
 }
@@ -65,6 +81,7 @@ func (s *decodeScheduler) buildConnectorMeta() []decode.LoadRequest {
 		out = append(out, decode.LoadRequest{RequestID: x.RequestID, LocalBlockIDs: x.LocalBlockIDs, Params: decode.KVTransferParams{
 			RemoteBlockIDs: x.RemoteBlockIDs, RemoteEngineID: x.RemoteEngineID, RemoteHost: x.RemoteHost,
 			RemotePort: x.RemotePort, RemotePCPSize: x.RemotePCPSize, RemoteDCPSize: x.RemoteDCPSize,
+			BootEpochs: x.BootEpochs,
 		}})
 	}
 	return out

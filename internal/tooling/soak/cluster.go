@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
+	"path/filepath"
 	"sync"
 	"time"
 
@@ -17,7 +19,6 @@ import (
 	"github.com/kvflow/kvflow/internal/tooling/faults"
 	"github.com/kvflow/kvflow/internal/tooling/testkit/loopback"
 	"github.com/kvflow/kvflow/stages/plan"
-	"github.com/kvflow/kvflow/stages/read"
 )
 
 // Options shape a loopback cluster: prefill instances of PrefillTP ranks
@@ -91,6 +92,7 @@ type Prefill struct {
 	Port  int
 	Ranks []*node.Node
 	Dead  bool
+	regs  []*prometheus.Registry // each rank's metrics
 }
 
 // DecodeRank is one decode rank: a node (its cache, engine and side-channel
@@ -101,6 +103,7 @@ type DecodeRank struct {
 	Node   *node.Node
 	Worker *decode.Worker
 	Faults *faults.Injector
+	reg    *prometheus.Registry // the node's metrics
 
 	mu        sync.Mutex
 	doneSends map[doneKey]int // SendDone calls reaching the real client
@@ -130,7 +133,8 @@ type Cluster struct {
 	Opts    Options
 	Prefill []*Prefill
 	Decode  []*DecodeRank
-	next    int // prefill instances started
+	next    int    // prefill instances started
+	keys    string // the CURVE key files' directory, removed by Close
 }
 
 // Start starts a cluster; decode workers are built by Reset.
@@ -142,6 +146,9 @@ func Start(o Options) (_ *Cluster, err error) {
 			c.Close()
 		}
 	}()
+	if err := c.writeKeys(); err != nil {
+		return nil, fmt.Errorf("soak: keys: %w", err)
+	}
 	for range o.Prefills {
 		if _, err := c.AddPrefill(); err != nil {
 			return nil, err
@@ -164,21 +171,90 @@ func (c *Cluster) config(role config.Role, kvPort int, engine string) config.Con
 	return cfg
 }
 
+// The cluster runs with auth.mode curve, as a production fleet whose
+// data plane is authenticated: every side channel is encrypted, a prefill
+// serves only the decode keys in its authorized_keys, and each GET_META
+// reply hands the decode's transfer engine the credential it must present
+// on the prefill's RPC and data ports (DataPlaneAuth counts them).
+const (
+	prefillKey     = "prefill"
+	authorizedKeys = "authorized_keys"
+)
+
+func decodeKey(rank int) string { return fmt.Sprintf("decode-%d", rank) }
+
+// writeKeys writes the prefill instances' key pair (one for all, as a
+// fleet's prefill workers share the public key its decode workers are
+// given), one key pair per decode rank, and the prefill's authorized_keys
+// listing the decode ranks' public keys, in a new directory.
+func (c *Cluster) writeKeys() error {
+	dir, err := os.MkdirTemp("", "kvflow-soak-keys-")
+	if err != nil {
+		return err
+	}
+	c.keys = dir
+	var authorized []byte
+	for _, name := range append([]string{prefillKey}, decodeKeys(c.Opts.DecodeTP)...) {
+		sec, pub := c.keyFiles(name)
+		public, err := sidechannel.WriteKeyPair(sec, pub)
+		if err != nil {
+			return err
+		}
+		if name != prefillKey {
+			authorized = append(authorized, public+"\n"...)
+		}
+	}
+	return os.WriteFile(filepath.Join(dir, authorizedKeys), authorized, 0o600)
+}
+
+func decodeKeys(n int) []string {
+	names := make([]string, n)
+	for r := range names {
+		names[r] = decodeKey(r)
+	}
+	return names
+}
+
+// keyFiles are the secret and public key files of key pair name.
+func (c *Cluster) keyFiles(name string) (secret, public string) {
+	return filepath.Join(c.keys, name+".key"), filepath.Join(c.keys, name+".pub")
+}
+
+// prefillAuth and decodeAuth are the auth sections of a prefill rank and
+// of decode rank r.
+func (c *Cluster) prefillAuth() config.Auth {
+	sec, pub := c.keyFiles(prefillKey)
+	return config.Auth{Mode: config.AuthCurve, SecretKeyFile: sec, PublicKeyFile: pub,
+		AuthorizedKeysFile: filepath.Join(c.keys, authorizedKeys), DataPlane: config.DataPlaneAuthenticated}
+}
+
+func (c *Cluster) decodeAuth(r int) config.Auth {
+	sec, pub := c.keyFiles(decodeKey(r))
+	_, server := c.keyFiles(prefillKey)
+	return config.Auth{Mode: config.AuthCurve, SecretKeyFile: sec, PublicKeyFile: pub, ServerPublicKeyFile: server,
+		DataPlane: config.DataPlaneAuthenticated}
+}
+
 // AddPrefill starts a new prefill instance on free ports.
 func (c *Cluster) AddPrefill() (*Prefill, error) {
 	name := fmt.Sprintf("P%d", c.next)
+	regs := make([]*prometheus.Registry, c.Opts.PrefillTP)
 	ranks, port, err := loopback.StartRanks(nil, func(port int) []config.Config {
 		cfgs := make([]config.Config, c.Opts.PrefillTP)
 		for r := range cfgs {
 			cfgs[r] = c.config(config.Prefill, port, name)
 			cfgs[r].Rank = config.Rank{TP: r}
+			cfgs[r].Auth = c.prefillAuth()
 		}
 		return cfgs
-	}, func(int) node.Deps { return node.Deps{Logger: c.Opts.Logger} })
+	}, func(r int) node.Deps {
+		regs[r] = prometheus.NewRegistry()
+		return node.Deps{Logger: c.Opts.Logger, Registerer: regs[r]}
+	})
 	if err != nil {
 		return nil, fmt.Errorf("soak: start prefill instance: %w", err)
 	}
-	p := &Prefill{Name: name, Port: port, Ranks: ranks}
+	p := &Prefill{Name: name, Port: port, Ranks: ranks, regs: regs}
 	c.next++
 	c.Prefill = append(c.Prefill, p)
 	return p, nil
@@ -196,27 +272,34 @@ func (c *Cluster) Kill(p *Prefill) error {
 
 // startDecode starts the decode instance's ranks on a free kv_port.
 func (c *Cluster) startDecode() error {
+	regs := make([]*prometheus.Registry, c.Opts.DecodeTP)
 	ns, _, err := loopback.StartRanks(nil, func(port int) []config.Config {
 		cfgs := make([]config.Config, c.Opts.DecodeTP)
 		for r := range cfgs {
 			cfgs[r] = c.config(config.Decode, port, "D")
 			cfgs[r].Rank = config.Rank{TP: r}
+			cfgs[r].Auth = c.decodeAuth(r)
 		}
 		return cfgs
-	}, func(int) node.Deps { return node.Deps{Logger: c.Opts.Logger} })
+	}, func(r int) node.Deps {
+		regs[r] = prometheus.NewRegistry()
+		return node.Deps{Logger: c.Opts.Logger, Registerer: regs[r]}
+	})
 	if err != nil {
 		return err
 	}
 	c.Decode = nil
-	for _, n := range ns {
-		c.Decode = append(c.Decode, &DecodeRank{Node: n, doneSends: map[doneKey]int{}})
+	for r, n := range ns {
+		c.Decode = append(c.Decode, &DecodeRank{Node: n, reg: regs[r], doneSends: map[doneKey]int{}})
 	}
 	return nil
 }
 
 // Reset closes the decode workers of the last round (draining them) and
 // builds new ones whose stage interfaces are wrapped by an injector of
-// sched(rank).
+// sched(rank). The wrapped interfaces are the node's own (node.Node's
+// Fetcher and Transfer): GET_META over CURVE hands the transfer engine
+// each prefill's data-plane credential, as in a node's decode worker.
 func (c *Cluster) Reset(sched func(rank int) faults.Schedule) error {
 	if err := c.closeWorkers(); err != nil {
 		return err
@@ -232,8 +315,8 @@ func (c *Cluster) Reset(sched func(rank int) faults.Schedule) error {
 			Topology:         cfg.Topology(),
 			Self:             cfg.Self(),
 			LocalEngineID:    cfg.KVTransfer.EngineID,
-			Fetcher:          in.Fetcher(node.Fetcher(n.Client)),
-			Transfer:         in.Transfer(read.Engine(n.Engine)),
+			Fetcher:          in.Fetcher(n.Fetcher),
+			Transfer:         in.Transfer(n.Transfer),
 			Sender:           in.Sender(sender{n.Notify, d}),
 			Renewer:          n.Notify,
 			PeerAbortTimeout: cfg.Tracker.AbortRequestTimeout.D(),
@@ -278,6 +361,10 @@ func (c *Cluster) Close() error {
 		errs = append(errs, c.Kill(p))
 	}
 	c.Decode, c.Prefill = nil, nil
+	if c.keys != "" {
+		errs = append(errs, os.RemoveAll(c.keys))
+		c.keys = ""
+	}
 	return errors.Join(errs...)
 }
 
@@ -292,4 +379,67 @@ func (s sender) SendDone(ctx context.Context, endpoint, reqID string) error {
 	s.d.doneSends[doneKey{endpoint, reqID}]++
 	s.d.mu.Unlock()
 	return s.c.SendDone(ctx, endpoint, reqID)
+}
+
+// Auth is what authentication did in the cluster so far: connections to
+// the prefill ranks' transfer engines by outcome (kvflow_transfer_auth_total,
+// every prefill instance started, killed ones included) and GET_META
+// replies the decode ranks refused (kvflow_handshake_meta_refusals_total).
+type Auth struct {
+	OK, NoHello, BadProof, Incomplete int
+	MetaRefused                       int
+}
+
+func (a Auth) String() string {
+	return fmt.Sprintf("data-plane connections authenticated %d, refused: no hello %d, bad proof %d, incomplete %d; GET_META replies refused %d",
+		a.OK, a.NoHello, a.BadProof, a.Incomplete, a.MetaRefused)
+}
+
+// Auth sums the counters of every node's registry.
+func (c *Cluster) Auth() (Auth, error) {
+	var a Auth
+	for _, p := range c.Prefill {
+		for _, reg := range p.regs {
+			by, err := counters(reg, "kvflow_transfer_auth_total", "outcome")
+			if err != nil {
+				return Auth{}, err
+			}
+			a.OK += int(by["ok"])
+			a.NoHello += int(by["no_hello"])
+			a.BadProof += int(by["bad_proof"])
+			a.Incomplete += int(by["incomplete"])
+		}
+	}
+	for _, d := range c.Decode {
+		by, err := counters(d.reg, "kvflow_handshake_meta_refusals_total", "reason")
+		if err != nil {
+			return Auth{}, err
+		}
+		for _, n := range by {
+			a.MetaRefused += int(n)
+		}
+	}
+	return a, nil
+}
+
+// counters sums counter name in reg by the value of its label.
+func counters(reg *prometheus.Registry, name, label string) (map[string]float64, error) {
+	mfs, err := reg.Gather()
+	if err != nil {
+		return nil, fmt.Errorf("soak: gather %s: %w", name, err)
+	}
+	out := map[string]float64{}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, lp := range m.GetLabel() {
+				if lp.GetName() == label {
+					out[lp.GetValue()] += m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return out, nil
 }

@@ -5,8 +5,13 @@
 // server over ZMQ, real TCP transfer engine, host-memory caches) and one
 // decode instance whose ranks are node.Start nodes too, but whose decode
 // workers are built here with decode.New, their Fetcher, Transfer and
-// Sender being internal/tooling/faults wrappers around adapters of the node's real
-// sidechannel.Client and mooncake.TCPEngine. Reset builds a new round of
+// Sender being internal/tooling/faults wrappers around the node's own
+// (node.Node's Fetcher and Transfer, its real sidechannel.Client). Every
+// node runs with auth.mode curve and an authenticated data plane: the side
+// channel is encrypted, the prefill admits only the decode ranks' keys, and
+// each GET_META reply hands the decode's transfer engine the credential it
+// presents on the prefill's ports, as in production (Cluster.Auth counts
+// what the engines accepted and refused). Reset builds a new round of
 // decode workers with new fault schedules on the same nodes; Kill closes a
 // prefill instance mid-run; AddPrefill starts a replacement.
 //
@@ -29,7 +34,10 @@
 //     since freed blocks are refilled at once, a premature free shows here
 //     too);
 //   - requests in flight to a killed prefill instance end (fail, or done
-//     with every byte right).
+//     with every byte right);
+//   - (TestDriver, TestSoak) the prefill transfer engines authenticated
+//     the decode ranks' connections and refused none for a missing
+//     credential or a wrong proof.
 //
 // The tests also check that goroutines and /proc/self/fd entries return to
 // their count before the cluster started (Measure, Leaks). TestDriver is

@@ -73,6 +73,24 @@ outer:
 	return out
 }
 
+// checkAuth: the decode ranks read with the credentials their GET_META
+// replies carried (auth.mode curve, the cluster's setting): connections to
+// the prefill transfer engines authenticated, none refused for speaking
+// the plain protocol (no credential) or a wrong proof. Incomplete
+// exchanges (a read canceled or a prefill killed mid-exchange) are not
+// counted against it.
+func checkAuth(t *testing.T, c *Cluster) {
+	t.Helper()
+	a, err := c.Auth()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("auth: %v", a)
+	if a.OK == 0 || a.NoHello != 0 || a.BadProof != 0 {
+		t.Errorf("auth: %v; want connections authenticated and none refused", a)
+	}
+}
+
 func checkLeaks(t *testing.T, before Resources, c *Cluster) {
 	t.Helper()
 	if err := c.Close(); err != nil {
@@ -129,6 +147,7 @@ func TestDriver(t *testing.T) {
 	if total.Requests < 1000 || total.Faults.Total() == 0 || total.BytesVerified == 0 {
 		t.Errorf("ran %d requests, %d faults, %d bytes verified", total.Requests, total.Faults.Total(), total.BytesVerified)
 	}
+	checkAuth(t, c)
 	checkLeaks(t, before, c)
 }
 

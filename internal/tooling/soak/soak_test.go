@@ -78,6 +78,7 @@ func TestSoak(t *testing.T) {
 			break
 		}
 	}
+	checkAuth(t, c)
 	if err := c.Close(); err != nil {
 		t.Errorf("close cluster: %v", err)
 	}

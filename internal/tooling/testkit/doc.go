@@ -8,6 +8,9 @@
 //     vectors (testdata/seedref) and loopback port selection.
 //   - testkit/fakes: recording fakes of the read stage's Transfer and the
 //     notify stage's Sender, for tests of code that wraps them.
+//   - testkit/fakes/leasefake: a recording fake of the lease keeper's
+//     Renewer, standard library only, so that stages/lease's own tests can
+//     use it too (fakes imports stages/read, which imports stages/lease).
 //   - testkit/loopback: loopback worker configurations and in-process
 //     clusters of node.Start workers, started on free ports.
 //

@@ -150,6 +150,17 @@ class Instance:
             for w, conn in enumerate(self.connectors):
                 lo, hi = self.layer_ranges[w // tp]
                 conn.register_kv_caches({"layers.%d.attn" % l: self.caches[w][l - lo] for l in range(lo, hi)})
+            # As vLLM's engine core does after the caches are registered:
+            # each worker's handshake metadata, keyed by its TP rank, to
+            # the scheduler side (a prefill's boot epochs, handed over as
+            # kvflow_boot_epochs).
+            md = {}
+            for conn in self.connectors:
+                h = conn.get_handshake_metadata()
+                if h is not None:
+                    md[conn.tp_rank] = h
+            if md:
+                self.scheduler.set_xfer_handshake_metadata(md)
         except BaseException:
             self.close()
             raise

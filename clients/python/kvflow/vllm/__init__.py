@@ -8,4 +8,4 @@ Where vLLM is importable the connector subclasses vLLM's own
 KVConnectorBase_V1; otherwise kvflow.vllm._shim's mirror of it."""
 
 from .connector import (HAVE_VLLM, ConfigError, KVConnectorBase_V1, KVConnectorRole, KvflowConnector,  # noqa: F401
-                        KvflowMetadata, cache_tensors)
+                        KvflowHandshakeMetadata, KvflowMetadata, cache_tensors)

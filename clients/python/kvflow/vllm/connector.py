@@ -20,10 +20,15 @@ try:  # the real base classes where vLLM is importable
 except Exception:  # noqa: BLE001 - any import failure means: no vLLM here
     from ._shim import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
     HAVE_VLLM = False
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata  # type: ignore
+except Exception:  # noqa: BLE001 - an older vLLM, or none
+    from ._shim import KVConnectorHandshakeMetadata
 
 log = logging.getLogger("kvflow.vllm")
 
-__all__ = ["KvflowConnector", "KvflowMetadata", "ConfigError", "cache_tensors", "TORCH_DTYPES"]
+__all__ = ["KvflowConnector", "KvflowMetadata", "KvflowHandshakeMetadata", "ConfigError", "cache_tensors",
+           "TORCH_DTYPES"]
 
 # torch dtype -> kvflow cache dtype name
 TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int8: "int8"}
@@ -46,6 +51,22 @@ class KvflowMetadata(ConnectorMetadata, KVConnectorMetadata):
     def __init__(self):
         ConnectorMetadata.__init__(self)
         self.send_block_ids = {}
+
+
+class KvflowHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """What a prefill worker tells its scheduler at start (vLLM gathers
+    get_handshake_metadata from every worker and hands the scheduler side
+    set_xfer_handshake_metadata): its ranks and its sidecar's boot epoch,
+    which the scheduler hands decode as kv_transfer_params'
+    kvflow_boot_epochs."""
+
+    def __init__(self, tp_rank, pp_rank, boot_epoch):
+        self.tp_rank = tp_rank
+        self.pp_rank = pp_rank
+        self.boot_epoch = boot_epoch
+
+    def __repr__(self):
+        return "KvflowHandshakeMetadata(tp=%r, pp=%r, boot_epoch=%r)" % (self.tp_rank, self.pp_rank, self.boot_epoch)
 
 
 def cache_tensors(cache):
@@ -170,6 +191,30 @@ class KvflowConnector(KVConnectorBase_V1):
 
     def get_finished_count(self):
         return None
+
+    def set_xfer_handshake_metadata(self, metadata):
+        """vLLM hands the scheduler what each worker's
+        get_handshake_metadata returned ({tp_rank: metadata}): on a
+        prefill instance, each rank's sidecar boot epoch. From then on
+        every hand-over's kv_transfer_params carry them as
+        kvflow_boot_epochs (entry tp + pp * tp_size; 0 for a rank that
+        sent none), so a decode fails a request whose prefill rank has
+        restarted since instead of reading the new process's blocks.
+        Anything else is logged and ignored (no epochs: as the seed).
+        vLLM keys the dict by TP rank only, so with PP > 1 one stage's
+        metadata per TP rank survives its merge; the ranks of the others
+        stay 0 (not compared: as today)."""
+        if self._rules is None or not self._is_prefill():
+            return
+        epochs = [0] * (self.tp_size * self.pp_size)
+        for key, md in (metadata or {}).items():
+            tp, pp, e = (getattr(md, n, None) for n in ("tp_rank", "pp_rank", "boot_epoch"))
+            ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (tp, pp, e))
+            if not ok or not (0 <= tp < self.tp_size and 0 <= pp < self.pp_size and 0 <= e < 1 << 63):
+                log.warning("kvflow: handshake metadata of worker %r ignored: %r", key, md)
+                continue
+            epochs[tp + pp * self.tp_size] = e
+        self._rules.set_boot_epochs(epochs)
 
     # ------------------------------------------------------------------
     # worker side
@@ -522,6 +567,22 @@ class KvflowConnector(KVConnectorBase_V1):
         recving.update(self._ready_recving)
         self._ready_recving.clear()
         return (sending or None), (recving or None)
+
+    def get_handshake_metadata(self):
+        """A prefill worker's ranks and its sidecar's boot epoch (from
+        ``status``), for the scheduler's kvflow_boot_epochs; None on a
+        decode worker, before register_kv_caches, or when the sidecar
+        does not say (then no epochs are handed over: as the seed)."""
+        if self._rules is not None or not self._is_prefill() or self.sidecar is None or self._dead is not None:
+            return None
+        try:
+            e = self.sidecar.client.status().get("boot_epoch")
+        except kc.KvflowError as err:
+            log.warning("kvflow sidecar status: %s (no boot epoch handed over)", err)
+            return None
+        if isinstance(e, bool) or not isinstance(e, int) or not 0 < e < 1 << 63:
+            return None
+        return KvflowHandshakeMetadata(self.tp_rank, self.pp_rank, e)
 
     def get_block_ids_with_load_errors(self):
         out, self._load_errors = self._load_errors, set()
