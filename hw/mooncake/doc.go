@@ -196,10 +196,14 @@
 // writev, epoll_ctl, read of the end of stream, close. It serves a
 // connection while each read brings exactly one whole plain READ header of
 // registered (and granted) memory, writing the answer as the socket takes
-// it, and hands the connection, between two requests and with the bytes
-// read so far, to a goroutine of its own (serveData) for anything else:
-// pipelined headers (kvflow's lanes, whose small answers serveData gathers
-// into one writev), strided reads, WRITEs and requests to refuse (refused,
+// it (one write of at most a chunk per turn of the loop, so a peer that
+// reads a huge answer as fast as it is written does not keep others
+// waiting; the rest of a started header within one IOTimeout, as on the
+// goroutine path), and hands the connection, between two requests and
+// with the bytes read so far, to a goroutine of its own (serveData) for
+// anything else: pipelined headers (kvflow's lanes, whose small answers
+// serveData gathers into one writev), strided reads, WRITEs and requests
+// to refuse (refused,
 // counted and logged there, as without the loop). Handoffs are counted in
 // kvflow_transfer_event_loop_handoffs_total. The caps, the descriptor
 // reserve and the timeouts above apply on both paths; a grant cut resets a
