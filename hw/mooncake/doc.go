@@ -203,8 +203,8 @@
 // with the bytes read so far, to a goroutine of its own (serveData) for
 // anything else: pipelined headers (kvflow's lanes, whose small answers
 // serveData gathers into one writev), strided reads, WRITEs and requests
-// to refuse (refused,
-// counted and logged there, as without the loop). Handoffs are counted in
+// to refuse (refused, counted and logged there, as without the loop).
+// Handoffs are counted in
 // kvflow_transfer_event_loop_handoffs_total. The caps, the descriptor
 // reserve and the timeouts above apply on both paths; a grant cut resets a
 // loop connection at the loop's next turn. On the goroutine path
