@@ -151,12 +151,15 @@ func TestConnCaps(t *testing.T) {
 			dialFrom(t, "127.0.0.1", addr)
 			waitFor(t, func() bool { return srv.portOpen(pc) == 2 })
 			refusedAt(t, "127.0.0.1", addr)
+			// Counted just after the close the peer sees.
+			waitFor(t, func() bool { return refused(refusedPeerCap) >= 1 })
 			if refused(refusedPeerCap) != 1 {
 				t.Fatalf("peer_cap refusals %v, want 1", refused(refusedPeerCap))
 			}
 			dialFrom(t, "127.0.0.2", addr)
 			waitFor(t, func() bool { return srv.portOpen(pc) == 3 })
 			refusedAt(t, "127.0.0.3", addr)
+			waitFor(t, func() bool { return refused(refusedTotalCap) >= 1 })
 			if refused(refusedTotalCap) != 1 {
 				t.Fatalf("total_cap refusals %v, want 1", refused(refusedTotalCap))
 			}
