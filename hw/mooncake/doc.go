@@ -196,7 +196,8 @@
 // writev, epoll_ctl, read of the end of stream, close. It serves a
 // connection while each read brings exactly one whole plain READ header of
 // registered (and granted) memory, writing the answer as the socket takes
-// it (one write of at most 128 KiB per turn of the loop, so answers to
+// it (an answer of up to 256 KiB in one turn, a larger one 128 KiB per
+// turn of the loop, so answers to
 // many peers advance side by side and a peer that
 // reads a huge answer as fast as it is written does not keep others
 // waiting; the rest of a started header within one IOTimeout, as on the

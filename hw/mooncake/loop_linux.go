@@ -416,19 +416,29 @@ func (l *eventLoop) serve(c *lconn) {
 	l.write(c)
 }
 
-// loopTurnBytes is the most of one answer the loop writes per turn: about
-// what a fresh loopback connection's receive window takes (Linux's
-// tcp_rmem default is 128 KiB), so answers to many connections advance
-// side by side. Measured with Mooncake's initiator (bench/HISTORY.md,
-// 2026-12-04): 1 MiB reads 1.23–1.37× Mooncake's target at 64–128 KiB per
-// turn, 0.95–0.97× at 256 KiB to 4 MiB; 4–256 KiB blocks unchanged.
-const loopTurnBytes = 128 << 10
+// How much of an answer the loop writes per turn. An answer of at most
+// loopWholeBytes goes out whole in the turn that read its header, if the
+// socket takes it; a larger one loopTurnBytes (about what a fresh
+// loopback connection's receive window takes: Linux's tcp_rmem default is
+// 128 KiB) per turn, so answers to many connections advance side by side.
+// Measured with Mooncake's initiator against Mooncake's target in the
+// same runs (bench/HISTORY.md, 2026-12-04): 1 MiB blocks 1.23–1.37× at 64
+// or 128 KiB per turn, 0.95–1.02× writing on within a turn; 256 KiB
+// blocks 0.95–0.96× at 128 KiB per turn, 1.01× whole.
+const (
+	loopTurnBytes  = 128 << 10
+	loopWholeBytes = 256 << 10
+)
 
-// write sends the next piece of c's answer (one writev of at most
-// loopTurnBytes and ChunkSize per turn of the loop); then, or when the
-// socket is full, it waits for room, bounded by IOTimeout of no progress.
+// write sends the next piece of c's answer (see loopTurnBytes; writevs of
+// at most ChunkSize); then, or when the socket is full, it waits for room,
+// bounded by IOTimeout of no progress.
 func (l *eventLoop) write(c *lconn) {
 	chunk := min(l.e.cfg.ChunkSize, loopTurnBytes)
+	budget := 0 // bytes this turn may still write after the next writev
+	if uint64(len(c.out)) == c.size && c.size <= loopWholeBytes {
+		budget = int(c.size)
+	}
 	for {
 		iov := l.iov[:0]
 		if c.stLeft > 0 {
@@ -466,6 +476,9 @@ func (l *eventLoop) write(c *lconn) {
 			l.done(c)
 			l.waitRead(c)
 			return
+		}
+		if budget -= int(r); budget > 0 {
+			continue
 		}
 		// One write (at most loopTurnBytes) per turn: the rest when epoll
 		// says the socket takes more (at once, level-triggered, when it
