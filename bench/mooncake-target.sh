@@ -19,6 +19,7 @@
 #   THREADS=1 BATCH=128 KVFLOW_BIN=bin/kvflow bench/mooncake-target.sh
 #   MC_TCP_ENABLE_CONNECTION_POOL=1 bench/mooncake-target.sh   # pooled initiator
 #   NETNS=0 bench/mooncake-target.sh      # no namespace (an isolated machine)
+#   FILL_MOONCAKE=1 bench/mooncake-target.sh  # Mooncake's target serves written memory too (fill() below)
 #   KVFLOW_BASE_BIN=/tmp/kvflow-main bench/mooncake-target.sh  # and a second kvflow build
 #                                                              # (before/after a change)
 #   KVFLOW_VARIANTS="c64=/tmp/kv-c64.sh" bench/mooncake-target.sh  # and wrappers (other flags)
@@ -142,7 +143,7 @@ run() {
 
 median() { sort -g | awk '{a[NR]=$1} END {if (NR%2) print a[(NR+1)/2]; else printf "%.3f\n", (a[NR/2]+a[NR/2+1])/2}'; }
 
-echo "# transfer_engine_bench initiator (read, batch $BATCH, threads $THREADS, ${DURATION}s, pool ${MC_TCP_ENABLE_CONNECTION_POOL:-off}), $ROUNDS rounds"
+echo "# transfer_engine_bench initiator (read, batch $BATCH, threads $THREADS, ${DURATION}s, pool ${MC_TCP_ENABLE_CONNECTION_POOL:-off}), $ROUNDS rounds; Mooncake's buffer $([[ "${FILL_MOONCAKE:-0}" == 0 ]] && echo "never written (zero page)" || echo "written first (FILL_MOONCAKE)")"
 echo "# targets: ${names[*]} at ${addrs[*]}; kvflow at ${KVFLOW_REV:-$(git -C "$root" describe --always --dirty 2>/dev/null)}"
 n=${#names[@]}
 header="| block (B) |" sep="| ---: |"
@@ -150,7 +151,19 @@ for name in "${names[@]}"; do header+=" $name, median MB/s | runs |"; sep+=" ---
 for name in "${names[@]:1}"; do header+=" $name / mooncake (median of rounds) |"; sep+=" ---: |"; done
 for name in "${names[@]}"; do header+=" $name CPU ms/GB |"; sep+=" ---: |"; done
 summary=()
+# FILL_MOONCAKE=1: before each block size's rounds, one write run against
+# Mooncake's target, so that the pages its reads touch are real memory.
+# transfer_engine_bench's target never writes its buffer: every read of it
+# copies from the kernel's zero page (one cached page), while kvflow's
+# target serves a written pattern from DRAM, as a KV cache is.
+fill() {
+	"$MOONCAKE_BENCH" --mode initiator --metadata_server P2PHANDSHAKE --protocol tcp \
+		--local_server_name 127.0.0.1:17300 --segment_id "$mc" --operation write \
+		--block_size "$1" --batch_size "$BATCH" --threads "$THREADS" --duration 1 \
+		--buffer_size "$BUFFER" --report_unit MB --report_precision 0 >/dev/null 2>&1 || echo "mooncake-target: fill run failed" >&2
+}
 for bs in $BLOCKS; do
+	[[ "${FILL_MOONCAKE:-0}" == 0 ]] || fill "$bs"
 	for name in "${names[@]}"; do : >"$name.$bs"; : >"ratio.$name.$bs"; : >"cpu.$name.$bs"; done
 	for r in $(seq "$ROUNDS"); do
 		# Rotate the order from round to round.

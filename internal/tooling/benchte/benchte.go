@@ -150,7 +150,7 @@ func (t *target) banner(w io.Writer, zero bool) {
 }
 
 func runTarget(ctx context.Context, o *options, stdout io.Writer, log *slog.Logger) error {
-	t, err := startTarget(o, engineConfig(o, true), false, log)
+	t, err := startTarget(o, engineConfig(o, true), o.zeroTarget, log)
 	if err != nil {
 		return err
 	}

@@ -58,7 +58,7 @@
 // (GB), report_precision (2), metadata_server (only P2PHANDSHAKE), protocol
 // (only tcp). Not kept: device_name, nic_priority_matrix, auto_discovery,
 // backend, GPU flags (they are for RDMA and GPUs). Added: --mode loopback,
-// --no-verify (alias --no_verify), --remote_addr, --te_lanes, --te_no_event_loop,
+// --no-verify (alias --no_verify), --remote_addr, --zero_target, --te_lanes, --te_no_event_loop,
 // --te_chunk_size.
 //
 // # Contract

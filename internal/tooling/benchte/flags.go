@@ -60,6 +60,7 @@ type options struct {
 	lanes           int
 	chunkSize       int
 	noEventLoop     bool
+	zeroTarget      bool
 }
 
 func (o *options) register(fs *flag.FlagSet) {
@@ -83,6 +84,7 @@ func (o *options) register(fs *flag.FlagSet) {
 	fs.Uint64Var(&o.remoteAddr, "remote_addr", 0, "initiator: the target buffer's address (buffer_addr in its banner); 0 learns it from the target's segment descriptor")
 	fs.IntVar(&o.lanes, "te_lanes", te.Lanes, "transfer engine: persistent connections per peer")
 	fs.IntVar(&o.chunkSize, "te_chunk_size", te.ChunkSize, "transfer engine: largest request and socket I/O in bytes")
+	fs.BoolVar(&o.zeroTarget, "zero_target", false, "target: serve a buffer never written (the kernel's zero page behind every read, as transfer_engine_bench's target does) instead of the pattern; initiators then need --no-verify")
 	fs.BoolVar(&o.noEventLoop, "te_no_event_loop", false, "transfer engine: serve every data connection on a goroutine of its own, not on the data port's event loop (A/B runs)")
 }
 
