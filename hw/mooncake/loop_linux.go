@@ -323,8 +323,8 @@ func (l *eventLoop) acceptAll() {
 func (l *eventLoop) refuse(fd int, peer netip.AddrPort, reason string) {
 	linger := syscall.Linger{Onoff: 1, Linger: 0}
 	syscall.SetsockoptLinger(fd, syscall.SOL_SOCKET, syscall.SO_LINGER, &linger)
+	l.e.refused(portData, reason, peer) // counted before the peer can see the reset
 	rawClose(fd)
-	l.e.refused(portData, reason, peer)
 }
 
 func (l *eventLoop) newConn(fd int, peer netip.AddrPort, a *admission) *lconn {

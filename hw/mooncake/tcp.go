@@ -331,9 +331,8 @@ func (e *TCPEngine) refuse(c net.Conn, port, reason string) {
 	if tc, ok := c.(*net.TCPConn); ok {
 		tc.SetLinger(0)
 	}
-	peer := c.RemoteAddr()
+	e.refused(port, reason, c.RemoteAddr()) // counted before the peer can see the reset
 	c.Close()
-	e.refused(port, reason, peer)
 }
 
 // refused counts a refused connection and logs at most every 10 s.
