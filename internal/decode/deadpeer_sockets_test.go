@@ -17,6 +17,7 @@ import (
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/node"
 	"github.com/kvflow/kvflow/internal/peers"
+	"github.com/kvflow/kvflow/internal/tooling/testkit"
 	"github.com/kvflow/kvflow/internal/tooling/testkit/loopback"
 )
 
@@ -166,18 +167,6 @@ func hasLabels(m *dto.Metric, want map[string]string) bool {
 	return true
 }
 
-// closedPort is a loopback port nothing listens on (connect refused).
-func closedPort(t *testing.T) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := l.Addr().(*net.TCPAddr).Port
-	l.Close()
-	return port
-}
-
 // blackhole accepts connections on a loopback port and never answers
 // (it reads and drops what they send).
 type blackhole struct {
@@ -267,7 +256,7 @@ func TestDeadPeerTimeToFailMeasure(t *testing.T) {
 		t.Skip("a measurement: KVFLOW_MEASURE=1 runs it")
 	}
 	r := startRig(t, 1, []bool{false}, 0)
-	r.timeToFail(closedPort(t), "closed port")
+	r.timeToFail(testkit.ClosedPort(t), "closed port")
 	r.timeToFail(newBlackhole(t).port(), "blackhole")
 }
 
@@ -316,7 +305,7 @@ func TestBlameOnlyTheDeadRank(t *testing.T) {
 // attempt, 3 attempts), which none of them waits for.
 func TestDeadPeerClosedPort(t *testing.T) {
 	r := startRig(t, 1, []bool{false}, 0)
-	lats := r.timeToFail(closedPort(t), "closed port")
+	lats := r.timeToFail(testkit.ClosedPort(t), "closed port")
 	if len(lats) != r.downFter {
 		t.Errorf("%d requests failed before peer_down, want %d", len(lats), r.downFter)
 	}

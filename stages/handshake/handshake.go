@@ -548,8 +548,8 @@ func (s Stage) CheckTask(ctx context.Context, j *job.Job, i int) error {
 	if err == nil {
 		return nil
 	}
-	err = job.AtPeer(job.HopHandshake, j.HandshakeEndpoint(i),
-		fmt.Errorf("handshake engine %q at %s: %w", j.Plan.RemoteEngineID, j.HandshakeEndpoint(i), err))
+	ep := j.HandshakeEndpoint(i)
+	err = job.AtPeer(job.HopHandshake, ep, fmt.Errorf("handshake engine %q at %s: %w", j.Plan.RemoteEngineID, ep, err))
 	if s.Compat.observe(err) {
 		// Not cached as good: fetching it again fails the same
 		// way until the peer's metadata changes.

@@ -224,8 +224,14 @@ func (s *Stage) process(ctx context.Context, j *job.Job) error {
 	}
 	g, gctx := errgroup.WithContext(ctx)
 	for i := range j.Plan.Tasks {
-		// A task's failure is blamed on its rank only (peer health).
-		g.Go(func() error { return job.AtPeer(job.HopRead, j.HandshakeEndpoint(i), s.task(gctx, j, i)) })
+		// A task's failure is blamed on its rank only (peer health); the
+		// endpoint string is built only then, not per task read.
+		g.Go(func() error {
+			if err := s.task(gctx, j, i); err != nil {
+				return job.AtPeer(job.HopRead, j.HandshakeEndpoint(i), err)
+			}
+			return nil
+		})
 	}
 	return g.Wait()
 }

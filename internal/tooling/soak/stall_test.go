@@ -3,7 +3,6 @@ package soak
 import (
 	"context"
 	"fmt"
-	"net"
 	"strings"
 	"testing"
 	"time"
@@ -11,6 +10,7 @@ import (
 	"github.com/kvflow/kvflow/internal/decode"
 	"github.com/kvflow/kvflow/internal/prefill"
 	"github.com/kvflow/kvflow/internal/tooling/faults"
+	"github.com/kvflow/kvflow/internal/tooling/testkit"
 	"github.com/kvflow/kvflow/internal/tooling/verify"
 	"github.com/kvflow/kvflow/stages/plan"
 )
@@ -48,7 +48,7 @@ func TestStalledHandshake(t *testing.T) {
 			for p := range lay.NumParts() {
 				rows = append(rows, lay.BlockLen(p)/pn.Shape.BlockSize)
 			}
-			ghost := freePort(t)
+			ghost := testkit.ClosedPort(t)
 			load := func(id string, port int, engine string, local, remote []int) plan.Request {
 				t.Helper()
 				req := plan.Request{ID: id, LocalBlockIDs: local, RemoteBlockIDs: remote, RemoteHost: "127.0.0.1",
@@ -172,17 +172,4 @@ func TestStalledHandshake(t *testing.T) {
 			checkLeaks(t, before, c)
 		})
 	}
-}
-
-// freePort is a TCP port nothing listens on (a silent side channel: ZMQ
-// keeps reconnecting and the request times out).
-func freePort(t *testing.T) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := l.Addr().(*net.TCPAddr).Port
-	l.Close()
-	return port
 }

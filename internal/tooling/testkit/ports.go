@@ -3,6 +3,8 @@ package testkit
 import (
 	"fmt"
 	"math/rand/v2"
+	"net"
+	"testing"
 )
 
 // PortAttempts is how many random ports OnFreePort tries.
@@ -45,4 +47,17 @@ func OnFreePort(logf func(format string, args ...any), start func(port int) erro
 		}
 	}
 	return 0, fmt.Errorf("%d ports tried: %w", PortAttempts, lastErr)
+}
+
+// ClosedPort is a loopback TCP port nothing listens on (a connect is
+// refused): one the kernel just handed out and the test closed again.
+func ClosedPort(tb testing.TB) int {
+	tb.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	port := l.Addr().(*net.TCPAddr).Port
+	l.Close()
+	return port
 }
